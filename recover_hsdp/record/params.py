@@ -1,0 +1,157 @@
+"""Parameter snapshots for the exact verifier: one file per (step, shard index, replica).
+
+Layout: ``params/step{step:06d}/shard{j}.replica{r}.pt`` holds the parameters of shard index j
+as replica r had them AFTER committing ``step``; ``params/init/`` holds them before the first
+step (``INIT_STEP``). Each file is written atomically (tmp + fsync + rename), so a file under its
+final name is always complete; a kill leaves at most an ignored ``*.tmp``. Every replica of shard
+j should hold the same values; ``load_params`` takes any surviving copy and can check they agree.
+
+torch is imported lazily: reading step records never needs it.
+"""
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from recover_hsdp.record.io import RecordError, atomic_write
+
+PARAMS_DIR = "params"
+INIT_STEP = -1
+FORMAT = 1
+_COPY = re.compile(r"^shard(\d+)\.replica(\d+)\.pt$")
+_STEP = re.compile(r"^step(\d+)$")
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    if step < INIT_STEP:
+        raise ValueError(f"step must be >= 0 (or INIT_STEP), got {step}")
+    name = "init" if step == INIT_STEP else f"step{step:06d}"
+    return Path(run_dir) / PARAMS_DIR / name
+
+
+def param_file(run_dir: str | Path, step: int, shard_index: int, replica: int) -> Path:
+    return step_dir(run_dir, step) / f"shard{shard_index}.replica{replica}.pt"
+
+
+class ParamWriter:
+    """Snapshots of one rank's parameter shard.
+
+    ``every`` = N saves steps with step % N == 0 plus ``final_step`` (if given) and anything saved
+    with ``force=True`` (e.g. the last step when the run ends early); ``every=0`` saves only those.
+    """
+
+    def __init__(self, run_dir: str | Path, global_rank: int, replica: int, shard_index: int,
+                 every: int = 1, final_step: int | None = None, fsync: bool = True):
+        if every < 0:
+            raise ValueError(f"every must be >= 0, got {every}")
+        self.run_dir = Path(run_dir)
+        self.global_rank = global_rank
+        self.replica = replica
+        self.shard_index = shard_index
+        self.every = every
+        self.final_step = final_step
+        self.fsync = fsync
+        self.saved: list[int] = []
+
+    def due(self, step: int) -> bool:
+        return (step == INIT_STEP or step == self.final_step
+                or (self.every > 0 and step % self.every == 0))
+
+    def save(self, step: int, tensors: Mapping[str, "object"], force: bool = False) -> Path | None:
+        """Write the snapshot if due (or forced); returns its path, or None if not due."""
+        if not (force or self.due(step)):
+            return None
+        import torch
+
+        payload = {
+            "format": FORMAT, "step": step, "shard_index": self.shard_index,
+            "replica": self.replica, "global_rank": self.global_rank,
+            # clone: a view would drag its whole storage (e.g. FSDP's flat parameter) into the file
+            "tensors": {str(k): v.detach().to("cpu").clone() for k, v in tensors.items()},
+        }
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        path = param_file(self.run_dir, step, self.shard_index, self.replica)
+        atomic_write(path, buf.getvalue(), fsync=self.fsync)
+        self.saved.append(step)
+        return path
+
+    def save_initial(self, tensors: Mapping[str, "object"]) -> Path | None:
+        return self.save(INIT_STEP, tensors, force=True)
+
+
+def param_steps(run_dir: str | Path) -> list[int]:
+    """Steps with at least one snapshot, ascending (INIT_STEP first if present)."""
+    root = Path(run_dir) / PARAMS_DIR
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name == "init":
+                out.append(INIT_STEP)
+            elif (m := _STEP.match(p.name)) and any(_COPY.match(q.name) for q in p.iterdir()):
+                out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def param_copies(run_dir: str | Path, step: int) -> dict[int, dict[int, Path]]:
+    """shard index -> replica -> file, for every complete snapshot of ``step``."""
+    out: dict[int, dict[int, Path]] = {}
+    d = step_dir(run_dir, step)
+    if d.is_dir():
+        for p in sorted(d.iterdir()):
+            if m := _COPY.match(p.name):
+                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+    return {j: dict(sorted(r.items())) for j, r in sorted(out.items())}
+
+
+def _load(path: Path) -> dict:
+    import torch
+
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RecordError(f"{path}: cannot load parameter snapshot: {e}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise RecordError(f"{path}: not a recover_hsdp parameter snapshot (format {FORMAT})")
+    return payload["tensors"]
+
+
+def load_params(run_dir: str | Path, step: int, shard_index: int, replica: int | None = None,
+                check: bool = True, rtol: float = 1e-6, atol: float = 1e-7) -> dict:
+    """Parameters (name -> tensor) of shard ``shard_index`` after ``step``.
+
+    Takes ``replica``'s copy if given, else the lowest surviving replica's. With ``check``, every
+    other copy of that shard must match it within rtol/atol (pass 0, 0 for bitwise equality);
+    a mismatch raises RecordError naming the tensor, the replicas and the largest difference.
+    """
+    import torch
+
+    copies = param_copies(run_dir, step).get(shard_index, {})
+    if not copies:
+        raise RecordError(f"{Path(run_dir)}: no parameter snapshot for step {step}, shard "
+                          f"{shard_index} (saved steps: {param_steps(run_dir)})")
+    if replica is not None and replica not in copies:
+        raise RecordError(f"{Path(run_dir)}: step {step}, shard {shard_index}: no copy from "
+                          f"replica {replica} (have {sorted(copies)})")
+    base_replica = replica if replica is not None else min(copies)
+    base = _load(copies[base_replica])
+    if check:
+        for r, path in copies.items():
+            if r == base_replica:
+                continue
+            other = _load(path)
+            if other.keys() != base.keys():
+                raise RecordError(f"step {step}, shard {shard_index}: replicas {base_replica} and "
+                                  f"{r} saved different tensors ({sorted(base)} vs {sorted(other)})")
+            for name, t in base.items():
+                u = other[name]
+                if t.shape != u.shape or t.dtype != u.dtype or not (
+                        torch.allclose(t, u, rtol=rtol, atol=atol, equal_nan=True)
+                        if t.is_floating_point() else torch.equal(t, u)):
+                    diff = ((t.double() - u.double()).abs().max().item()
+                            if t.shape == u.shape else "shape")
+                    raise RecordError(f"step {step}, shard {shard_index}: tensor {name!r} differs "
+                                      f"between replicas {base_replica} and {r} (max |diff| {diff})")
+    return base
