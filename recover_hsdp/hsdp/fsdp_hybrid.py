@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import warnings
 from collections import Counter
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -138,6 +139,47 @@ class HybridTopology:
 # --------------------------------------------------------------------------------------------
 # Process groups and rendezvous
 # --------------------------------------------------------------------------------------------
+def shard_group_failure_kind(exc: BaseException) -> str | None:
+    """Classify an exception from a shard-group collective: "peer_closed", "timeout" or None.
+
+    gloo (torch 2.13, measured): a SIGKILLed peer -> RuntimeError "... Connection closed by peer
+    ..." (also "Connection reset by peer") within milliseconds; a hung peer -> RuntimeError
+    "... Timed out waiting <ms>ms for recv operation to complete" after the group timeout.
+    Either way this replica lost a member: the manager should SIGKILL this rank (os._exit with a
+    non-zero code is NOT seen as a failure by ULFM; see feasibility.md). NCCL on GPU reports
+    through its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING tears the process down itself).
+    """
+    if not isinstance(exc, RuntimeError):
+        return None
+    msg = str(exc)
+    if "Connection closed by peer" in msg or "Connection reset by peer" in msg:
+        return "peer_closed"
+    if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+        return "timeout"
+    return None
+
+
+def check_identical_init(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Collective: raise ValueError on every rank unless ``module``'s parameters agree everywhere.
+
+    Compares a per-parameter (sum, sum of squares) fingerprint in fp64 over ``group`` (default:
+    the whole job). Call before wrapping: FSDP on CPU cannot broadcast the init for you.
+    """
+    params = list(module.named_parameters())
+    fp = torch.tensor([[p.detach().double().sum().item(), p.detach().double().pow(2).sum().item()]
+                       for _, p in params], dtype=torch.float64).reshape(-1)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(fp) for _ in range(world)]
+    dist.all_gather(gathered, fp, group=group)
+    for other_rank, other in enumerate(gathered):
+        if not torch.equal(other, gathered[0]):
+            bad = int((other.reshape(-1, 2) != gathered[0].reshape(-1, 2)).any(1).nonzero()[0])
+            raise ValueError(
+                f"parameters differ across ranks (first: {params[bad][0]!r} on group rank "
+                f"{other_rank} vs 0): initialise every rank from the same seed"
+            )
+
+
 def shard_timeout_s() -> float:
     return float(os.environ.get(ENV_SHARD_TIMEOUT, DEFAULT_SHARD_TIMEOUT_S))
 
@@ -405,17 +447,21 @@ def wrap_hybrid_shard(
         )
     noop = NoOpReplicateGroup(topology.replica, topology.replicas)
     device = torch.device(device)
-    fsdp = FSDP(
-        module,
-        process_group=(shard_pg, noop),
-        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-        auto_wrap_policy=auto_wrap_policy,
-        device_id=device,
-        mixed_precision=mixed_precision,
-        use_orig_params=use_orig_params,
-        sync_module_states=False,
-        **fsdp_kwargs,
-    )
+    with warnings.catch_warnings():
+        # Shard size 1: FSDP clamps HYBRID_SHARD to NO_SHARD (expected; buckets are then the
+        # whole flat gradient and FSDP never even calls the replicate group).
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
+        fsdp = FSDP(
+            module,
+            process_group=(shard_pg, noop),
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            auto_wrap_policy=auto_wrap_policy,
+            device_id=device,
+            mixed_precision=mixed_precision,
+            use_orig_params=use_orig_params,
+            sync_module_states=False,
+            **fsdp_kwargs,
+        )
     defaults = set()
     for state in fsdp_states(fsdp):
         missing = [a for a in _STATE_ATTRS if not hasattr(state, a)]

@@ -125,6 +125,7 @@ def _topology_results(replicas, shard_size, rank, scenarios):
     import torch.distributed as dist
 
     topo = fh.HybridTopology.for_world(replicas, shard_size, rank, dist.get_world_size())
+    fh.check_identical_init(make_model())
     shard_pg = fh.new_shard_groups(topo, backend="gloo", timeout_s=30)
     replicate_pg = None
     for j in range(shard_size):  # every rank creates every group, same order
@@ -174,6 +175,15 @@ def worker_two(rank, nprocs):
     res = {"2x1": _topology_results(2, 1, rank, _scenarios(2)),
            "1x2": _topology_results(1, 2, rank, {k: v for k, v in _scenarios(1).items()
                                                  if k in ("deferred", "default_divide")})}
+    bad = make_model()
+    if rank == 1:
+        with torch.no_grad():
+            bad.head.bias[0] += 1e-3
+    try:
+        fh.check_identical_init(bad)
+        res["init_check"] = None
+    except ValueError as e:
+        res["init_check"] = str(e)
     save_partial(res)  # rank 1 dies in the probe
     res["fault"] = _fault_probe(rank, dist)
     return res
@@ -248,7 +258,9 @@ def reference(replicas, drop=None):
 
 
 def max_diff(actual, expected):
-    return max(float((a - e).abs().max()) for a, e in zip(actual, expected))
+    assert len(actual) == len(expected)
+    diffs = [float((a - e).abs().max()) for a, e in zip(actual, expected)]
+    return max(d if d == d else float("inf") for d in diffs)  # NaN counts as a failure
 
 
 def compare(topo_runs, replicas, what, drop=None):
@@ -351,3 +363,11 @@ def test_shard_group_timeout_and_dead_peer(runs):
     assert 0.5 <= hung_s <= 5.0
     assert dead_types is not None and "RuntimeError" in dead_types
     assert dead_s <= 1.5
+    assert fh.shard_group_failure_kind(RuntimeError(hung_msg)) == "timeout"
+    assert fh.shard_group_failure_kind(RuntimeError(dead_msg)) == "peer_closed"
+
+
+@pytest.mark.timeout(180)
+def test_check_identical_init_names_the_parameter(runs):
+    for rank, msg in runs["init_check"].items():
+        assert msg is not None and "'head.bias'" in msg, msg
