@@ -183,8 +183,8 @@ class CountModel:
         classes = self.classes
         for key, n in dead.items():
             if classes.get(key, 0) < n:
-                raise PolicyError(f"no {n} alive replica(s) of role {_ROLES[key[0]].name.lower()} with "
-                                  f"{key[1]} accumulated")
+                raise PolicyError(f"no {n} alive replica(s) of role "
+                                  f"{_ROLES[key[0]].name.lower()} with {key[1]} accumulated")
         if len(victims) >= self.alive:
             raise PolicyError("no replica survives: the invariant cannot be kept with W_cur = 0")
         for key, n in dead.items():
@@ -219,7 +219,8 @@ class CountModel:
                 if not n:
                     continue
                 if len(pools[spare]) != 1:  # spares exist only before any boundary: one class
-                    raise PolicyError(f"internal: {len(pools[spare])} classes of {_ROLES[spare].name}")
+                    raise PolicyError(
+                        f"internal: {len(pools[spare])} classes of {_ROLES[spare].name}")
                 key = pools[spare][0]
                 promoted = (_MAJ if spare == _MS else _MIN, key[1])
                 left = classes[key] - n
@@ -292,7 +293,7 @@ class CountModel:
         if committed != divisor:
             raise PolicyError(f"iteration {self.iteration} commits {committed}, divisor "
                               f"{divisor}: invariant broken")
-        n_bm = self.count(_BM)
+        n_bm = self.count(_BM) if self.boundary else 0
         if self.adaptive:
             nxt = Layout(self.g_init, self.alive)
         elif self.boundary:

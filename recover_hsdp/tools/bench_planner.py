@@ -1,0 +1,102 @@
+"""`recover-hsdp bench planner`: how long `recover-hsdp plan` takes at scale.
+
+Default workload (issue 3): W_init = 100,000, G_init = 8, 50,000 random failures, seed 0, JSON
+output. Prints the median over --repeat runs of
+  * model   the count-level policy alone (random_plan),
+  * render  turning the trace into JSON lines,
+  * main    recover_hsdp.tools.plan.main in this process, output to a null sink,
+  * cli     a fresh `python -m recover_hsdp.cli plan ... --json > /dev/null` process (interpreter
+            start and imports included: what a user waits for),
+and writes them as JSON (--out, default bench/results/planner.json). Pure Python: no torch here.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+from recover_hsdp.policy.counts import random_plan
+from recover_hsdp.tools import plan as plan_tool
+
+
+class _Null(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+def _timed(fn) -> tuple[float, float, object]:
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w, time.process_time() - c, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="recover-hsdp bench planner", description=__doc__)
+    p.add_argument("--replicas", type=int, default=100_000)
+    p.add_argument("--grad-accum", type=int, default=8)
+    p.add_argument("--failures", type=int, default=50_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--no-cli", action="store_true", help="skip the fresh-process measurement")
+    p.add_argument("--out", default="bench/results/planner.json")
+    args = p.parse_args(argv)
+    w, g, k, seed = args.replicas, args.grad_accum, args.failures, args.seed
+    argv_plan = ["--replicas", str(w), "--grad-accum", str(g), "--failures", str(k),
+                 "--seed", str(seed), "--json"]
+
+    rows: dict[str, list[tuple[float, float]]] = {"model": [], "render": [], "main": [], "cli": []}
+    iterations = 0
+    for _ in range(max(1, args.repeat)):
+        wall, cpu, outs = _timed(lambda: list(random_plan(w, g, k, seed)))
+        rows["model"].append((wall, cpu))
+        iterations = len(outs)
+        assert all(o.committed == w * g for o in outs), "an iteration missed B"
+        wall, cpu, _ = _timed(lambda: "".join(o.to_json() + "\n" for o in outs))
+        rows["render"].append((wall, cpu))
+        wall, cpu, rc = _timed(lambda: plan_tool.main(argv_plan, out=_Null()))
+        assert rc == 0
+        rows["main"].append((wall, cpu))
+        if not args.no_cli:
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "plan", *argv_plan],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            wall = time.perf_counter() - t0
+            if r.returncode:
+                print(r.stderr.decode(), file=sys.stderr)
+                return 1
+            rows["cli"].append((wall, float("nan")))
+
+    print(f"planner: W_init={w} G_init={g} failures={k} seed={seed} -> {iterations} iterations, "
+          f"median of {args.repeat}")
+    print(f"{'stage':<8} {'wall s':>8} {'cpu s':>8}")
+    result = {"replicas": w, "grad_accum": g, "failures": k, "seed": seed,
+              "iterations": iterations, "repeat": args.repeat,
+              "command": "recover-hsdp plan " + " ".join(argv_plan)}
+    for name, vals in rows.items():
+        if not vals:
+            continue
+        wall = statistics.median(v[0] for v in vals)
+        cpu = statistics.median(v[1] for v in vals)
+        print(f"{name:<8} {wall:>8.3f} {cpu:>8.3f}")
+        result[f"{name}_wall_s"] = round(wall, 4)
+        if cpu == cpu:
+            result[f"{name}_cpu_s"] = round(cpu, 4)
+    try:
+        result["loadavg_1min"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
