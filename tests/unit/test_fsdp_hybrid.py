@@ -121,12 +121,14 @@ def _step(topo, replicate_pg, scenario):
     }
 
 
-def _topology_results(replicas, shard_size, rank, scenarios):
+def _topology_results(replicas, shard_size, rank, scenarios, groups=None):
     import torch.distributed as dist
 
     topo = fh.HybridTopology.for_world(replicas, shard_size, rank, dist.get_world_size())
     fh.check_identical_init(make_model())
-    shard_pg = fh.new_shard_groups(topo, backend="gloo", timeout_s=30)
+    shard_pg = fh.new_shard_groups(topo, backend="gloo", timeout_s=10)
+    if groups is not None:
+        groups.update(topo=topo, shard_pg=shard_pg)
     replicate_pg = None
     for j in range(shard_size):  # every rank creates every group, same order
         pg = dist.new_group(topo.replicate_ranks(j), backend="gloo")
@@ -142,7 +144,7 @@ def _topology_results(replicas, shard_size, rank, scenarios):
 def _init(rank):
     os.environ["OMPI_COMM_WORLD_RANK"] = str(rank)
     torch.set_num_threads(1)
-    fh.init_distributed_from_env(backend="gloo", timeout_s=30)
+    fh.init_distributed_from_env(backend="gloo", timeout_s=10)
 
 
 SCENARIOS = {
@@ -164,8 +166,30 @@ def _scenarios(replicas):
 
 
 def worker_four(rank, nprocs):
+    """2x2 with the store hosted by rank 0 (MASTER_ADDR/PORT), then rank 0 dies."""
     _init(rank)
-    return {"2x2": _topology_results(2, 2, rank, _scenarios(2))}
+    groups = {}
+    res = {"2x2": _topology_results(2, 2, rank, _scenarios(2), groups)}
+    save_partial(res)
+    if rank == 0:  # the store dies with it
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    # Replica 1 must train on without the store; rank 1 (replica 0) must see its peer's death
+    # inside FSDP's own shard-group collectives.
+    topo, shard_pg = groups["topo"], groups["shard_pg"]
+    fsdp = fh.wrap_hybrid_shard(make_model(), shard_pg, auto_wrap_policy=_policy(),
+                                device="cpu", topology=topo)
+    t0 = time.monotonic()
+    try:
+        for g in range(G):
+            x, y = microbatch(topo.replica, g)
+            fh.MicrobatchAccumulator(fsdp).microbatch(
+                lambda: rank_loss(fsdp, x, y, topo.shard_index, topo.shard_size))
+        res["after_rank0_died"] = ("ok", [t.clone() for t in fh.grad_shards(fsdp)],
+                                   time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001
+        res["after_rank0_died"] = (type(e).__name__, str(e)[:300], time.monotonic() - t0)
+    return res
 
 
 def worker_two(rank, nprocs):
@@ -221,17 +245,28 @@ def _fault_probe(rank, dist):
 # ------------------------------------------------------------------------------------------
 # Parent side
 # ------------------------------------------------------------------------------------------
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def runs():
     out = {}
-    for nprocs, fn in ((4, worker_four), (2, worker_two)):
+    for nprocs, fn, killed in ((4, worker_four, (0,)), (2, worker_two, (1,))):
         with fh.serve_store("127.0.0.1") as addr:
             env = {"OMPI_COMM_WORLD_SIZE": str(nprocs), fh.ENV_STORE: addr,
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
                    "OMP_NUM_THREADS": "1"}
+            if fn is worker_four:  # rank 0 hosts the store (and then dies)
+                env.update({fh.ENV_STORE: "", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(_free_port())})
             t0 = time.monotonic()
-            results = run_workers(fn, nprocs, timeout_s=SPAWN_TIMEOUT_S,
-                                  allow_killed=(1,) if nprocs == 2 else (), env=env)
+            results = run_workers(fn, nprocs, timeout_s=SPAWN_TIMEOUT_S, allow_killed=killed,
+                                  env=env)
             print(f"\n{nprocs}-rank spawn: {time.monotonic() - t0:.1f} s")
         for rank, res in enumerate(results):
             if res is None:
@@ -241,17 +276,17 @@ def runs():
     return out
 
 
-def reference(replicas, drop=None):
+def reference(replicas, drop=None, only_replica=None, b=None):
     """Single process: SUM of the same microbatch-mean gradients / B, then one SGD step."""
     model = make_model()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     for r in range(replicas):
         for g in range(G):
-            if (r, g) == drop:
+            if (r, g) == drop or only_replica not in (None, r):
                 continue
             x, y = microbatch(r, g)
             rank_loss(model, x, y, 0, 1).backward()
-    b = replicas * G
+    b = b or replicas * G
     grads = {n: p.grad / b for n, p in model.named_parameters()}
     params = {n: init[n] - LR * grads[n] for n in init}
     return init, grads, params
@@ -371,3 +406,21 @@ def test_shard_group_timeout_and_dead_peer(runs):
 def test_check_identical_init_names_the_parameter(runs):
     for rank, msg in runs["init_check"].items():
         assert msg is not None and "'head.bias'" in msg, msg
+
+
+@pytest.mark.timeout(180)
+def test_rank0_and_its_store_die_other_replica_trains_on(runs):
+    after = runs["after_rank0_died"]
+    assert 0 not in after
+    status, detail, seconds = after[1]  # replica 0 lost rank 0 mid-FSDP-forward
+    print(f"rank 1 (replica 0): {status} after {seconds:.3f} s: {detail[:100]!r}")
+    assert status == "RuntimeError", (status, detail)
+    assert fh.shard_group_failure_kind(RuntimeError(detail)) == "peer_closed"
+    assert seconds < 2.0
+    _, grads, _ = reference(2, only_replica=1, b=1)  # replica 1 alone, undivided
+    for rank in (2, 3):
+        status, shards, seconds = after[rank]
+        assert status == "ok", (rank, shards)
+        layout = [fh.FlatParamLayout.from_dict(d) for d in runs["2x2"][rank]["deferred"]["layout"]]
+        expected = fh.flat_shard_from_full(grads, layout, layout[0].shard_index)
+        assert max_diff(shards, expected) <= TOL
