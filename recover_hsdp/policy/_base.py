@@ -110,6 +110,11 @@ class PolicyBase:
         """Does `replica` accumulate the loss of microbatch `position` (0-based) this iteration?"""
         return any(position in rg for rg in self.kept_positions(replica))
 
+    def kept_before(self, replica: int, computed: int) -> int:
+        """Microbatches `replica` has accumulated after computing the first `computed` positions
+        of this iteration: what UlfmGroup.set_contributed must report at that point."""
+        return sum(max(0, min(rg.stop, computed) - rg.start) for rg in self.kept_positions(replica))
+
     def accumulate_quota(self, replica: int) -> int:
         """Microbatches `replica` accumulates this iteration (= its contribution if it contributes)."""
         if self._segments is None:

@@ -41,3 +41,15 @@ def test_minor_contributes_its_prefix_only():
     assert ids[28] == tuple((k0 + p) * 32 + 28 for p in range(4))
     assert ids[29] == () and ids[30] == ()
     assert data.cursor(28) == k0 + 9  # but it computed all 9
+
+
+def test_kept_before_tracks_set_contributed():
+    pol = StaticWorldPolicy(32, 8)
+    pol.fail([31])
+    pol.after_commit()
+    pol.fail([28])                 # minor dies, minor-spare 30 promoted
+    pol.after_commit()
+    pol.fail([30])                 # the new minor dies: the major-spare 29 is discarded
+    assert pol.discarded() == {29}
+    assert [pol.kept_before(29, m) for m in (0, 9, 10)] == [0, 0, pol.accumulate_quota(29)]
+    assert [pol.kept_before(0, m) for m in (0, 4, 9, 10)] == [0, 4, 9, pol.accumulate_quota(0)]
