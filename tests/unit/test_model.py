@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from recover_hsdp.model import (Attention, ModelConfig, RMSNorm, RotaryEmbedding, SwiGLU,
-                                Transformer, TransformerBlock, apply_rotary, build_model,
+                                TransformerBlock, apply_rotary, build_model,
                                 decoder_block_class, decoder_blocks, fsdp_wrap_policy,
                                 get_config, init_weights, mixed_precision,
                                 mixed_precision_policy, next_token_loss)
