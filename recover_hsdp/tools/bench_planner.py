@@ -22,7 +22,7 @@ import sys
 import time
 
 from recover_hsdp.policy.counts import random_plan
-from recover_hsdp.tools import plan as plan_tool
+import recover_hsdp.tools.plan as plan_tool
 
 
 class _Null(io.TextIOBase):

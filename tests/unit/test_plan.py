@@ -151,3 +151,15 @@ def test_count_model_rejects_bad_victims():
     with pytest.raises(Exception, match="no 1 alive replica"):
         m.fail([(0, 5)])
     assert m.layout == Layout(2, 4)
+
+
+def test_bench_planner_small(tmp_path, capsys):
+    from recover_hsdp.tools import bench_planner
+
+    out = tmp_path / "planner.json"
+    rc = bench_planner.main(["--replicas", "2000", "--failures", "500", "--repeat", "1",
+                             "--no-cli", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["failures"] == 500 and result["main_wall_s"] > 0
+    assert "model" in capsys.readouterr().out
