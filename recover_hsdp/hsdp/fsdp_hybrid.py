@@ -220,6 +220,19 @@ def new_shard_groups(
     return mine
 
 
+def local_device() -> torch.device:
+    """cuda:<local rank> (and make it current) when CUDA is available, else cpu.
+
+    Local rank: OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else LOCAL_RANK, else 0. Call before
+    :func:`new_shard_groups` with nccl: NCCL binds a communicator to the current device.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def _parse_host_port(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -382,9 +395,13 @@ _FLAT_PARAM_ATTRS = ("_fqns", "_shapes", "_numels", "_numels_with_padding", "_is
 
 
 def bf16_mixed_precision() -> MixedPrecision:
-    """The GPU recipe: bf16 compute and all-gather, fp32 reduce-scatter and fp32 grad shards."""
+    """The GPU recipe: bf16 compute and all-gather, fp32 reduce-scatter, fp32 grad shards.
+
+    Buffers keep their dtype (e.g. rotary tables stay fp32); the fp32 master parameters and the
+    fp32 accumulated shards are what the optimizer and the recovery layer see.
+    """
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                          buffer_dtype=torch.bfloat16)
+                          buffer_dtype=None)
 
 
 def fsdp_states(fsdp_module: nn.Module) -> list[FSDP]:
