@@ -16,7 +16,10 @@ ROLE_NAMES: dict[str, Role] = {r.name.lower(): r for r in Role}
 def parse_role(name: "str | Role | int") -> Role:
     """'major', 'minor_spare', 'boundary-minor', Role.MAJOR or 0 -> Role."""
     if isinstance(name, (Role, int)):
-        return Role(int(name))
+        try:
+            return Role(int(name))
+        except ValueError:
+            raise PolicyError(f"unknown role {name!r}") from None
     key = name.strip().lower().replace("-", "_")
     if key not in ROLE_NAMES:
         raise PolicyError(f"unknown role {name!r} (known: {', '.join(ROLE_NAMES)})")
@@ -96,7 +99,7 @@ class PolicyBase:
         return self._boundary_crossed or self._pending_boundary
 
     def steps(self) -> int:
-        """P(major): microbatches every alive replica computes this iteration, extensions included."""
+        """P(major): microbatches every alive replica computes this iteration (extensions too)."""
         return self._steps
 
     def kept_positions(self, replica: int) -> tuple[range, ...]:
@@ -116,7 +119,7 @@ class PolicyBase:
         return sum(max(0, min(rg.stop, computed) - rg.start) for rg in self.kept_positions(replica))
 
     def accumulate_quota(self, replica: int) -> int:
-        """Microbatches `replica` accumulates this iteration (= its contribution if it contributes)."""
+        """Microbatches `replica` accumulates this iteration (its contribution if it has one)."""
         if self._segments is None:
             return self._prefix_quota(self.role(replica))
         self.role(replica)
@@ -142,7 +145,7 @@ class PolicyBase:
         return {r: self.accumulate_quota(r) for r in self._alive}
 
     def expected_event(self, failed: Iterable[int], *, epoch: int = 0) -> FailureEvent:
-        """The event a correct backend reports if `failed` die at this iteration's synchronisation."""
+        """The event a correct backend reports if `failed` die at this synchronisation point."""
         basis = self._pending_roles if self._pending_roles is not None else self._roles
         acc = self.accumulated()
         return FailureEvent.from_failed_roles(basis, failed, {r: acc[r] for r in basis},

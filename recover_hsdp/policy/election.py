@@ -71,7 +71,7 @@ def contrib_total(roles_after: Mapping[int, Role], accumulated: Mapping[int, int
 
 
 def roles_for_layout(alive: Iterable[int], layout: Layout) -> dict[int, Role]:
-    """Algorithm 7's layout -> replica ids: ascending ids take majors, minor, major-, minor-spares."""
+    """Algorithm 7's layout -> ids: ascending ids take majors, minor, major-, minor-spares."""
     ids = sorted(alive)
     if len(ids) != layout.replicas:
         raise PolicyError(f"layout holds {layout.replicas} replicas but {len(ids)} are alive")

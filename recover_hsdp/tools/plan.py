@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="examples:\n"
                        "  recover-hsdp plan -W 32 -G 8 --fail major,minor\n"
-                       "  recover-hsdp plan -W 32 -G 8 --fail major,minor,major+major_spare --json\n"
-                       "  recover-hsdp plan -W 1000 -G 16 --failures 200 --seed 1 --policy adaptive")
+                       "  recover-hsdp plan -W 32 -G 8 --fail major,minor,major+major_spare "
+                       "--json\n"
+                       "  recover-hsdp plan -W 1000 -G 16 --failures 200 --seed 1 "
+                       "--policy adaptive")
     p.add_argument("--replicas", "-W", type=int, required=True, metavar="W",
                    help="initial replica count W_init (>= 1)")
     p.add_argument("--grad-accum", "-G", type=int, required=True, metavar="G",
@@ -63,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_spec(spec: str) -> list[list[list[str]]]:
-    """'major,minor/major+major_spare,none' -> [[['major']], [['minor'], ['major', 'major_spare']], []]"""
+    """'major,minor/major+major_spare,none'
+    -> [[['major']], [['minor'], ['major', 'major_spare']], []]"""
     iterations = []
     for i, item in enumerate(spec.split(","), 1):
         item = item.strip()

@@ -153,7 +153,10 @@ def test_minor_dies_while_major_spare_survives_discards_the_spare():
     dec = pol.on_failure(ev)
     assert dec.discarded == (29,)      # 261 > 256: the major-spare's 9 cannot be admitted
     assert dec.g_ext == 1 and dec.n_boundary_minor == 29 - 4
-    assert pol.accumulate_quota(29) in (0, 1) and pol.kept_positions(29)[:1] != (range(0, 9),)
+    # the ex-spare keeps only the extension position; the 25 boundary minors are the majors
+    # with the highest ids (everyone else accumulated 9, the discarded spare 0)
+    assert pol.kept_positions(29) == (range(9, 10),) and pol.role(29) == Role.MAJOR
+    assert ids_with(pol, Role.BOUNDARY_MINOR) == list(range(3, 28))
     assert pol.discarded() == {29}
     assert pol.committed() == 256
     data = DataAssignment(32)
