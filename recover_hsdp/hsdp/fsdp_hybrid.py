@@ -409,10 +409,6 @@ def fsdp_states(fsdp_module: nn.Module) -> list[FSDP]:
     return [m for m in fsdp_module.modules() if isinstance(m, FSDP)]
 
 
-def _noop_group_of(fsdp_module: nn.Module) -> NoOpReplicateGroup:
-    return fsdp_module._recover_noop_pg  # type: ignore[return-value]
-
-
 def wrap_hybrid_shard(
     module: nn.Module,
     shard_pg: dist.ProcessGroup,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import Counter
 
 import pytest
 import torch
