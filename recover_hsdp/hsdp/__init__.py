@@ -1,0 +1,11 @@
+"""HSDP integration: FSDP1 HYBRID_SHARD with a deferred, fault-tolerant cross-replica reduction.
+
+`HSDPULFMTrainingManager` is the public face (also `from recover_hsdp import
+HSDPULFMTrainingManager`); `fsdp_hybrid` holds the FSDP plumbing, `cross_replica` the agreement
+over the S replicate groups, `trainer` the per-rank worker behind `recover-hsdp train`.
+"""
+from recover_hsdp import _register_backend as _rb
+
+_rb()
+
+from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager  # noqa: E402,F401

@@ -1,0 +1,242 @@
+"""The S cross-replica groups of HSDP presented as ONE replica-level fault-tolerant group.
+
+With shard size S > 1 there are S replicate groups (one per shard index j, members r*S + j), each
+on its own ULFM communicator. A replica dies rank by rank: group 0 may see the loss during bucket
+k while group 1 finishes every bucket under the old membership. This module makes all survivors
+agree on ONE failed-replica set and ONE epoch before anyone commits (docs/hsdp.md):
+
+* `allreduce(bucket)` goes to this rank's replicate group j. Its outcome is NOT authoritative: any
+  failure (a repair in Detect, or a failed Reduce) is returned as `reduce_failed=True` with no
+  record; the bucket is undefined and will be rewound. After a repair in Detect every member of
+  group j got the same record in the same call, so the group is quiesced uniformly for the rest of
+  the pass (a failed Reduce is NOT uniform, so it must not quiesce: peers would wait in Detect).
+* `consensus()` is the iteration's gate and the only source of failure records:
+  1. the replica-consistency gate: a barrier on this replica's shard group. A rank whose replica
+     lost a member sees the gloo error there (or earlier in FSDP's own collectives) and leaves by
+     SIGKILL, so ULFM notices it (feasibility.md: a non-zero exit is not noticed).
+  2. a closure loop of ULFM_CONSENSUS on the world "failure domain" communicator (all ranks):
+     failed replicas = {global_rank // S}; a live rank of a failed replica kills itself; the loop
+     repeats until the world communicator holds exactly the ranks of the surviving replicas. Each
+     call's record is identical on every survivor, so every survivor leaves the loop with the
+     same failed set and the same epoch.
+  3. one allreduce on the closed world communicator of [clean, contributed per replica]: `clean`
+     is 1 iff this rank reduced every bucket of the pass under the pre-failure membership; its
+     global AND decides the paper's case (b) for everyone at once. A failure during it (detected by
+     a confirming consensus) restarts from step 2.
+  4. after a failure, every replicate group is rebuilt from the surviving world ranks, so all S
+     groups run under the same membership and the world epoch.
+  The replica-level record (election, census, contrib, at_boundary) is then computed locally from
+  agreed inputs with the policy's pure functions: identical on every survivor by construction.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from recover_hsdp.types import FailureRecord, Role, RoleCensus
+
+
+def _die() -> None:
+    """Leave so that ULFM notices: SIGKILL ourselves (a non-zero exit is not seen as a failure)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class ReplicaResult(FailureRecord):
+    """A FailureRecord at replica granularity plus the HSDP-specific agreement bits.
+
+    failed_replicas: initial replica ids lost since the previous consensus.
+    all_clean: every survivor reduced every bucket of the pass under the pre-failure membership
+      (the global AND), i.e. the paper's case (b) when failed_replicas is non-empty.
+    reduce_failed: for allreduce results, the bucket is undefined (no record attached).
+    """
+
+    failed_replicas: tuple[int, ...] = ()
+    all_clean: bool = True
+    reduce_failed: bool = False
+    contributed: tuple[int, ...] = ()  # per surviving replica (ascending id), from the collective
+    loss_sums: tuple[float, ...] = ()  # per surviving replica: sum of its kept microbatch losses
+
+
+class HSDPCrossReplicaGroup:
+    """Replica-level face over S replicate UlfmGroups and a world UlfmGroup.
+
+    `make_group(world_ranks)` builds a UlfmGroup over the given MPI world ranks (collective over
+    exactly those ranks); `shard_barrier()` is the replica-consistency gate (raises on a lost
+    peer); `elect(roles, failed)` is the policy's pure election (dict replica->Role, failed ids) ->
+    (new roles, at_boundary); `checkpoint(location)` is the failure simulator's hook.
+    """
+
+    def __init__(self, *, world, replicas: int, shard_size: int, global_rank: int,
+                 make_group: Callable[[Sequence[int]], object],
+                 shard_barrier: Callable[[], None],
+                 elect: Callable, contrib_total: Callable,
+                 checkpoint: Callable[..., None] = lambda location, **kw: None,
+                 die: Callable[[], None] = _die):
+        self.world = world
+        self.S = shard_size
+        self.w_init = replicas
+        self.global_rank = global_rank
+        self.replica = global_rank // shard_size
+        self.shard_index = global_rank % shard_size
+        self._make_group = make_group
+        self._shard_barrier = shard_barrier
+        self._elect = elect
+        self._contrib_total = contrib_total
+        self._checkpoint = checkpoint
+        self._die = die
+        self.alive: list[int] = list(range(replicas))
+        self._roles: dict[int, Role] = {r: Role.MAJOR for r in self.alive}
+        self._contributed = 0
+        self._loss_sum = 0.0
+        self._clean = True  # no failure seen in any bucket of this pass
+        self._group_quiesced = False  # uniform within my replicate group (repair in Detect)
+        self._quiesce_flag = False
+        self.rg = make_group(self._replicate_ranks())
+
+    # --- the UlfmGroup-like surface the orchestrator drives ---------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.world.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.alive.index(self.replica)
+
+    @property
+    def size(self) -> int:
+        return len(self.alive)
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """World ranks of my replicate group's members, group-rank order (ascending replica)."""
+        return self._replicate_ranks()
+
+    def replica_of_rank(self, global_rank: int) -> int:
+        return global_rank // self.S
+
+    @property
+    def quiesced(self) -> bool:
+        return self._quiesce_flag or self._group_quiesced
+
+    def set_quiesce(self, flag: bool) -> None:
+        self._quiesce_flag = bool(flag)
+        if not flag:
+            self._group_quiesced = False
+        self.rg.set_quiesce(self.quiesced)
+
+    def set_roles(self, roles) -> None:
+        """roles: dict replica->Role, or a sequence in ascending alive-replica order."""
+        if not isinstance(roles, dict):
+            roles = dict(zip(self.alive, roles))
+        self._roles = dict(roles)
+        self.rg.set_roles([self._roles[r] for r in self.alive])
+
+    def set_contributed(self, n: int) -> None:
+        self._contributed = int(n)
+        self.rg.set_contributed(int(n))
+
+    def set_loss_sum(self, x: float) -> None:
+        """This rank's share of its replica's kept-loss sum (carried by the consensus)."""
+        self._loss_sum = float(x)
+
+    def begin_pass(self) -> None:
+        """Start of a bucket pass (after a microbatch loop or before a blocking re-reduce)."""
+        self._clean = True
+
+    def allreduce(self, tensor: torch.Tensor) -> ReplicaResult:
+        if self.quiesced:
+            return ReplicaResult(ok=True, quiesced=True, epoch=self.epoch)
+        res = self.rg.allreduce(tensor)
+        if getattr(res, "quiesced", False):
+            return ReplicaResult(ok=True, quiesced=True, epoch=self.epoch)
+        if res.ok:
+            return ReplicaResult(ok=True, epoch=self.epoch)
+        self._clean = False
+        if not getattr(res, "reduce_failed", False):
+            # Detect repaired my group: every member got this record in this same call, so
+            # quiescing here is uniform across the group (no one waits for us in Detect).
+            self._group_quiesced = True
+            self.rg.set_quiesce(True)
+        return ReplicaResult(ok=False, reduce_failed=True, epoch=self.epoch)
+
+    def consensus(self) -> ReplicaResult:
+        self._checkpoint("gate")
+        try:
+            self._shard_barrier()
+        except Exception:  # a member of my replica is gone: my replica is lost
+            self._die()
+            raise  # only reached with an injected die() in tests
+        self._checkpoint("consensus")
+        epoch_before = self.world.epoch
+        failed_ranks: set[int] = set()
+        while True:
+            failed_ranks |= self._closure()
+            w = self.w_init
+            vec = torch.zeros(1 + 2 * w, dtype=torch.float64)
+            vec[0] = 1.0 if self._clean else 0.0
+            vec[1 + self.replica] = float(self._contributed)
+            vec[1 + w + self.replica] = self._loss_sum
+            red = self.world.allreduce(vec)
+            confirm = self.world.consensus()
+            failed_ranks |= set(getattr(confirm, "failed_ranks", ()) or ())
+            if red.ok and confirm.ok:
+                break
+        failed_replicas = sorted({g // self.S for g in failed_ranks} & set(self.alive))
+        n = len(self.world.global_ranks)
+        all_clean = int(round(vec[0].item())) == n
+        contributed = {r: int(round(vec[1 + r].item() / self.S)) for r in self.alive
+                       if r not in failed_replicas}
+        losses = {r: float(vec[1 + self.w_init + r].item()) for r in contributed}
+        if not failed_replicas and self.world.epoch == epoch_before:
+            return ReplicaResult(ok=True, epoch=self.epoch, all_clean=all_clean,
+                                 census=RoleCensus.of(self._roles.values()),
+                                 roles=tuple(self._roles[r] for r in self.alive),
+                                 contributed=tuple(contributed[r] for r in self.alive),
+                                 loss_sums=tuple(losses[r] for r in self.alive))
+        new_roles, at_boundary = self._elect(self._roles, failed_replicas)
+        self.alive = [r for r in self.alive if r not in failed_replicas]
+        contrib = self._contrib_total(new_roles, contributed, at_boundary)
+        self._roles = dict(new_roles)
+        self._rebuild_groups()
+        return ReplicaResult(
+            ok=False, failed_ranks=tuple(sorted(failed_ranks)), epoch=self.epoch,
+            census=RoleCensus.of(new_roles[r] for r in self.alive), contrib=contrib,
+            at_boundary=at_boundary, roles=tuple(new_roles[r] for r in self.alive),
+            failed_replicas=tuple(failed_replicas), all_clean=all_clean,
+            contributed=tuple(contributed[r] for r in self.alive),
+            loss_sums=tuple(losses[r] for r in self.alive))
+
+    # --- internals ------------------------------------------------------------------------
+    def _replicate_ranks(self) -> list[int]:
+        return [r * self.S + self.shard_index for r in self.alive]
+
+    def _closure(self) -> set[int]:
+        """ULFM_CONSENSUS on the world until it holds exactly the surviving replicas' ranks."""
+        failed: set[int] = set()
+        while True:
+            res = self.world.consensus()
+            failed |= set(res.failed_ranks or ())
+            dead = {g // self.S for g in failed}
+            if self.replica in dead:
+                self._die()  # my replica lost a member: leave so the others can close
+            expected = sorted(r * self.S + j for r in self.alive if r not in dead
+                              for j in range(self.S))
+            if sorted(self.world.global_ranks) == expected:
+                return failed
+
+    def _rebuild_groups(self) -> None:
+        self.rg = self._make_group(self._replicate_ranks())
+        self._group_quiesced = False
+        self._quiesce_flag = False
+        self.rg.set_roles([self._roles[r] for r in self.alive])
+        self.rg.set_contributed(self._contributed)
