@@ -4,10 +4,9 @@ Every committed optimizer step sums exactly B = W_init x G_init microbatches, al
 one membership of the cross-replica group, and divides by B. Importing the package registers the
 `ulfm` torch.distributed backend (the compiled extension itself loads on first use).
 
-Registration needs torch.distributed. When torch is already imported (any training script) it
-happens here; otherwise it is deferred to the first import of a torch-facing layer
-(`recover_hsdp.collectives`, `recover_hsdp.hsdp`), so pure tools such as `recover-hsdp plan` do
-not pay for importing torch.
+Registration needs torch.distributed. When it is already imported it happens here; otherwise a
+one-shot import hook registers the backend right after torch.distributed loads, so pure tools such
+as `recover-hsdp plan` do not pay for importing torch (recover_hsdp/collectives/_register.py).
 """
 from __future__ import annotations
 
@@ -17,10 +16,6 @@ from recover_hsdp.types import FailureRecord, Role, RoleCensus  # noqa: F401
 
 
 def _register_backend() -> None:
-    import sys
-
-    if "torch" not in sys.modules:
-        return
     try:
         from recover_hsdp.collectives import register_backend
     except ImportError:  # collectives layer not present in this checkout

@@ -4,6 +4,8 @@
 HSDPULFMTrainingManager`); `fsdp_hybrid` holds the FSDP plumbing, `cross_replica` the agreement
 over the S replicate groups, `trainer` the per-rank worker behind `recover-hsdp train`.
 """
+import torch  # noqa: F401  (registration below needs torch loaded)
+
 from recover_hsdp import _register_backend as _rb
 
 _rb()
