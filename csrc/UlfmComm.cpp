@@ -1,0 +1,542 @@
+#include "UlfmComm.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <numeric>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "election.h"
+
+namespace recover_hsdp {
+
+namespace {
+
+constexpr int kCreateGroupTag = 0x5ec0;  // MPI_Comm_create_group tag of from_ranks()
+constexpr int64_t kMaxCount = INT_MAX;  // MPI counts are int: larger buffers go in chunks
+
+std::mutex g_mpi_mutex;  // used only when MPI is below THREAD_MULTIPLE
+
+[[noreturn]] void dieNow() {
+  ::kill(::getpid(), SIGKILL);
+  for (;;) {
+    ::pause();
+  }
+}
+
+// The tensor as a contiguous buffer MPI may read and write: the tensor itself when it is a
+// contiguous CPU tensor (or a contiguous CUDA tensor under CUDA-aware MPI), otherwise a
+// contiguous host/device copy written back by finish().
+class DataBuffer {
+ public:
+  explicit DataBuffer(at::Tensor& tensor) : tensor_(tensor) {
+    const auto dev = tensor.device();
+    if (dev.is_cpu()) {
+      buf_ = tensor.is_contiguous() ? tensor : tensor.contiguous();
+    } else if (dev.is_cuda()) {
+      if (cudaAwareMpi()) {
+        buf_ = tensor.is_contiguous() ? tensor : tensor.contiguous();
+        // MPI reads device memory outside the stream order: drain the current stream first.
+        const auto* impl = c10::impl::getDeviceGuardImpl(dev.type());
+        impl->synchronizeStream(impl->getStream(dev));
+      } else {
+        // Device-to-host copy on the current stream, synchronous with it.
+        buf_ = tensor.cpu().contiguous();
+      }
+    } else {
+      throw std::invalid_argument(
+          "ulfm backend does not support tensors on device " + dev.str());
+    }
+    copy_back_ = !buf_.is_same(tensor);
+  }
+
+  void* data() {
+    return buf_.data_ptr();
+  }
+  int64_t numel() const {
+    return buf_.numel();
+  }
+  int64_t elementSize() const {
+    return static_cast<int64_t>(buf_.element_size());
+  }
+
+  void finish() {
+    if (copy_back_) {
+      tensor_.copy_(buf_);
+    }
+  }
+
+ private:
+  at::Tensor& tensor_;
+  at::Tensor buf_;
+  bool copy_back_ = false;
+};
+
+void checkDense(const at::Tensor& t, const char* op) {
+  if (!t.defined()) {
+    throw std::invalid_argument(std::string("ulfm ") + op + ": undefined tensor");
+  }
+  if (t.layout() != at::kStrided) {
+    throw std::invalid_argument(std::string("ulfm backend does not support ") + op +
+                                " of sparse or non-strided tensors");
+  }
+}
+
+} // namespace
+
+std::unique_lock<std::mutex> UlfmComm::lockGlobal() {
+  if (needGlobalMpiLock()) {
+    return std::unique_lock<std::mutex>(g_mpi_mutex);
+  }
+  return std::unique_lock<std::mutex>();
+}
+
+UlfmComm::UlfmComm(MPI_Comm comm, std::vector<int64_t> world_ranks)
+    : comm_(comm), world_ranks_(std::move(world_ranks)) {
+  MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+  MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  roles_.assign(size_, static_cast<int32_t>(Role::MAJOR));
+  last_ = okRecordLocked();
+}
+
+UlfmComm::~UlfmComm() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) {
+    MPI_Comm_free(&comm_);  // local in Open MPI, also on a revoked communicator
+  }
+}
+
+std::shared_ptr<UlfmComm> UlfmComm::world() {
+  ensureMpi();
+  auto g = std::unique_lock<std::mutex>();
+  if (needGlobalMpiLock()) {
+    g = std::unique_lock<std::mutex>(g_mpi_mutex);
+  }
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &dup));
+  int n = 0;
+  MPI_CHECK(MPI_Comm_size(dup, &n));
+  std::vector<int64_t> ranks(n);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  return std::shared_ptr<UlfmComm>(new UlfmComm(dup, std::move(ranks)));
+}
+
+std::shared_ptr<UlfmComm> UlfmComm::fromRanks(const std::vector<int64_t>& world_ranks) {
+  ensureMpi();
+  int wsize = 0, wrank = 0;
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &wsize));
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &wrank));
+  if (world_ranks.empty()) {
+    throw std::invalid_argument("ulfm group: empty rank list");
+  }
+  std::vector<int64_t> missing;
+  std::unordered_set<int64_t> seen;
+  bool member = false;
+  for (int64_t r : world_ranks) {
+    if (r < 0 || r >= wsize) {
+      missing.push_back(r);
+    }
+    if (!seen.insert(r).second) {
+      throw std::invalid_argument("ulfm group: rank " + std::to_string(r) +
+                                  " appears more than once in the rank list");
+    }
+    member = member || r == wrank;
+  }
+  if (!missing.empty()) {
+    std::string s;
+    for (int64_t r : missing) {
+      s += (s.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throw UlfmUnavailable("ulfm group: rank(s) " + s + " do not exist (MPI world size is " +
+                          std::to_string(wsize) + ")");
+  }
+  if (!member) {
+    throw std::invalid_argument("ulfm group: the calling rank " + std::to_string(wrank) +
+                                " is not in the rank list (from_ranks is collective over "
+                                "the members only)");
+  }
+  auto g = std::unique_lock<std::mutex>();
+  if (needGlobalMpiLock()) {
+    g = std::unique_lock<std::mutex>(g_mpi_mutex);
+  }
+  std::vector<int> ranks_int(world_ranks.begin(), world_ranks.end());
+  MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+  MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  MPI_CHECK(MPI_Group_incl(world_group, static_cast<int>(ranks_int.size()), ranks_int.data(),
+                           &group));
+  MPI_Comm comm = MPI_COMM_NULL;
+  const int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, kCreateGroupTag, &comm);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  if (rc != MPI_SUCCESS) {
+    throwMpiError(rc, "MPI_Comm_create_group", __FILE__, __LINE__);
+  }
+  return std::shared_ptr<UlfmComm>(new UlfmComm(comm, world_ranks));
+}
+
+int UlfmComm::rank() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return rank_;
+}
+
+int UlfmComm::size() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return size_;
+}
+
+int64_t UlfmComm::epoch() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return epoch_;
+}
+
+std::vector<int64_t> UlfmComm::worldRanks() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return world_ranks_;
+}
+
+void UlfmComm::setRoles(const std::vector<int32_t>& roles) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (static_cast<int>(roles.size()) != size_) {
+    throw std::invalid_argument("set_roles: expected " + std::to_string(size_) +
+                                " roles (one per member), got " +
+                                std::to_string(roles.size()));
+  }
+  for (int32_t r : roles) {
+    if (!isValidRole(r)) {
+      throw std::invalid_argument("set_roles: invalid role " + std::to_string(r) +
+                                  " (valid: 0..4, see recover_hsdp.types.Role)");
+    }
+  }
+  roles_ = roles;
+}
+
+std::vector<int32_t> UlfmComm::roles() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return roles_;
+}
+
+void UlfmComm::setContributed(int64_t n) {
+  if (n < 0) {
+    throw std::invalid_argument("set_contributed: negative count " + std::to_string(n));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  contributed_ = n;
+}
+
+int64_t UlfmComm::contributed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return contributed_;
+}
+
+void UlfmComm::setQuiesce(bool flag) {
+  quiesce_.store(flag);
+}
+
+bool UlfmComm::quiesced() const {
+  return quiesce_.load();
+}
+
+FailureRecord UlfmComm::lastRecord() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return last_;
+}
+
+void UlfmComm::debugKillAt(const std::string& point, int64_t delay_us) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (point.empty()) {
+    kill_point_ = KillPoint::NONE;
+  } else if (point == "detect") {
+    kill_point_ = KillPoint::DETECT;
+  } else if (point == "record") {
+    kill_point_ = KillPoint::RECORD;
+  } else if (point == "data") {
+    kill_point_ = KillPoint::DATA;
+  } else if (point == "data_async") {
+    kill_point_ = KillPoint::DATA_ASYNC;
+  } else {
+    throw std::invalid_argument("debug kill point must be one of detect, record, data, "
+                                "data_async or empty; got '" + point + "'");
+  }
+  kill_delay_us_ = delay_us;
+}
+
+void UlfmComm::debugFailNextData() {
+  std::lock_guard<std::mutex> lk(mu_);
+  fail_next_data_ = true;
+}
+
+void UlfmComm::maybeKill(KillPoint here) {
+  if (kill_point_ != here) {
+    return;
+  }
+  kill_point_ = KillPoint::NONE;
+  if (here == KillPoint::DATA_ASYNC) {
+    const int64_t us = kill_delay_us_;
+    std::thread([us] {
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+      dieNow();
+    }).detach();
+    return;
+  }
+  dieNow();
+}
+
+FailureRecord UlfmComm::okRecordLocked() const {
+  FailureRecord rec;
+  rec.ok = true;
+  rec.epoch = epoch_;
+  rec.roles = roles_;
+  rec.census = censusOf(roles_);
+  return rec;
+}
+
+void UlfmComm::repairLocked(std::vector<int64_t>& failed) {
+  int rc = MPIX_Comm_revoke(comm_);
+  if (rc != MPI_SUCCESS && !isFailureClass(mpiErrorClass(rc))) {
+    throwMpiError(rc, "MPIX_Comm_revoke", __FILE__, __LINE__);
+  }
+  MPI_Comm shrunk = MPI_COMM_NULL;
+  for (int attempt = 0;; ++attempt) {
+    rc = MPIX_Comm_shrink(comm_, &shrunk);
+    if (rc == MPI_SUCCESS) {
+      break;
+    }
+    if (!isFailureClass(mpiErrorClass(rc)) || attempt >= 16) {
+      throwMpiError(rc, "MPIX_Comm_shrink", __FILE__, __LINE__);
+    }
+  }
+  MPI_CHECK(MPI_Comm_set_errhandler(shrunk, MPI_ERRORS_RETURN));
+
+  // Survivors' MPI_COMM_WORLD ranks (shrink keeps their relative order); the lost members are
+  // old group minus new group.
+  int n = 0;
+  MPI_CHECK(MPI_Comm_size(shrunk, &n));
+  MPI_Group new_group = MPI_GROUP_NULL, world_group = MPI_GROUP_NULL;
+  MPI_CHECK(MPI_Comm_group(shrunk, &new_group));
+  MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  std::vector<int> idx(n), in_world(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  MPI_CHECK(MPI_Group_translate_ranks(new_group, n, idx.data(), world_group, in_world.data()));
+  MPI_Group_free(&new_group);
+  MPI_Group_free(&world_group);
+
+  std::unordered_map<int64_t, int32_t> role_of;
+  for (size_t i = 0; i < world_ranks_.size(); ++i) {
+    role_of[world_ranks_[i]] = roles_[i];
+  }
+  std::vector<int64_t> new_ranks(in_world.begin(), in_world.end());
+  std::vector<int32_t> new_roles;
+  std::unordered_set<int64_t> alive(new_ranks.begin(), new_ranks.end());
+  for (int64_t r : new_ranks) {
+    new_roles.push_back(role_of.at(r));
+  }
+  for (int64_t r : world_ranks_) {
+    if (!alive.count(r)) {
+      failed.push_back(r);
+    }
+  }
+
+  MPI_Comm_free(&comm_);
+  comm_ = shrunk;
+  MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  size_ = n;
+  world_ranks_ = std::move(new_ranks);
+  roles_ = std::move(new_roles);
+  epoch_ += 1;
+}
+
+bool UlfmComm::recordLocked(std::vector<int64_t>& gathered) {
+  int64_t mine[2] = {roles_[rank_], contributed_};
+  gathered.assign(2 * static_cast<size_t>(size_), 0);
+  const int rc = MPI_Allgather(mine, 2, MPI_INT64_T, gathered.data(), 2, MPI_INT64_T, comm_);
+  if (rc == MPI_SUCCESS) {
+    return true;
+  }
+  if (!isFailureClass(mpiErrorClass(rc))) {
+    throwMpiError(rc, "MPI_Allgather", __FILE__, __LINE__);
+  }
+  // Peers still inside the Allgather must not wait for this rank: revoke interrupts them.
+  MPIX_Comm_revoke(comm_);
+  return false;
+}
+
+FailureRecord UlfmComm::protocolLocked() {
+  const std::vector<int32_t> roles0 = roles_;
+  const std::vector<int64_t> ranks0 = world_ranks_;
+  std::vector<int64_t> failed;
+  std::vector<int64_t> gathered;
+  bool repaired = false;
+  bool record_ok = true;
+  for (;;) {
+    maybeKill(KillPoint::DETECT);
+    int revoked = 0;
+    int rc = MPIX_Comm_is_revoked(comm_, &revoked);
+    if (rc != MPI_SUCCESS) {
+      throwMpiError(rc, "MPIX_Comm_is_revoked", __FILE__, __LINE__);
+    }
+    int flag = (!revoked && record_ok) ? 1 : 0;
+    rc = MPIX_Comm_agree(comm_, &flag);
+    if (rc == MPI_SUCCESS && flag == 1) {
+      break;
+    }
+    if (rc != MPI_SUCCESS && !isFailureClass(mpiErrorClass(rc))) {
+      throwMpiError(rc, "MPIX_Comm_agree", __FILE__, __LINE__);
+    }
+    repairLocked(failed);
+    repaired = true;
+    maybeKill(KillPoint::RECORD);
+    record_ok = recordLocked(gathered);
+  }
+  if (!repaired) {
+    return okRecordLocked();
+  }
+
+  // The election runs over the membership at the start of the call: several repairs in one
+  // call read as one failure of everyone lost. Survivors' roles and counts come from the last
+  // Record (identical everywhere, the agree after it passed); the dead's roles from roles0.
+  const size_t n0 = ranks0.size();
+  std::unordered_map<int64_t, size_t> index0;
+  for (size_t i = 0; i < n0; ++i) {
+    index0[ranks0[i]] = i;
+  }
+  std::vector<int32_t> roles_in(roles0);
+  std::vector<bool> alive(n0, false);
+  std::vector<int64_t> contributed(n0, 0);
+  for (int j = 0; j < size_; ++j) {
+    const size_t i = index0.at(world_ranks_[j]);
+    alive[i] = true;
+    roles_in[i] = static_cast<int32_t>(gathered[2 * j]);
+    contributed[i] = gathered[2 * j + 1];
+  }
+  ElectionResult e = elect(roles_in, alive, contributed);
+  roles_ = e.roles;
+
+  std::sort(failed.begin(), failed.end());
+  FailureRecord rec;
+  rec.ok = false;
+  rec.failed_ranks = std::move(failed);
+  rec.epoch = epoch_;
+  rec.census = e.census;
+  rec.contrib = e.contrib;
+  rec.at_boundary = e.at_boundary;
+  rec.roles = std::move(e.roles);
+  return rec;
+}
+
+FailureRecord UlfmComm::dataFailedLocked(int rc, const char* call) {
+  if (!isFailureClass(mpiErrorClass(rc))) {
+    throwMpiError(rc, call, __FILE__, __LINE__);
+  }
+  // Peers may still be inside the data collective waiting for this rank: revoke interrupts
+  // them, and makes the next Detect on this communicator fail at every member.
+  MPIX_Comm_revoke(comm_);
+  FailureRecord rec = okRecordLocked();
+  rec.ok = false;
+  rec.reduce_failed = true;
+  return rec;
+}
+
+FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
+  checkDense(tensor, "allreduce");
+  const MpiTypeOp typeop = mpiSumFor(tensor.scalar_type());
+  std::lock_guard<std::mutex> lk(mu_);
+  auto g = lockGlobal();
+  if (quiesce_.load()) {
+    FailureRecord rec = okRecordLocked();
+    rec.quiesced = true;
+    last_ = rec;
+    return rec;
+  }
+  FailureRecord rec = protocolLocked();
+  if (!rec.ok) {
+    last_ = rec;
+    return rec;
+  }
+  if (isSpare(roles_[rank_])) {
+    tensor.zero_();
+  }
+  DataBuffer buf(tensor);
+  maybeKill(KillPoint::DATA);
+  maybeKill(KillPoint::DATA_ASYNC);
+  char* ptr = static_cast<char*>(buf.data());
+  int rc = MPI_SUCCESS;
+  for (int64_t off = 0; off < buf.numel() && rc == MPI_SUCCESS; off += kMaxCount) {
+    const int n = static_cast<int>(std::min<int64_t>(kMaxCount, buf.numel() - off));
+    rc = MPI_Allreduce(MPI_IN_PLACE, ptr + off * buf.elementSize(), n, typeop.type, typeop.op,
+                       comm_);
+  }
+  if (rc != MPI_SUCCESS) {
+    rec = dataFailedLocked(rc, "MPI_Allreduce");
+  } else {
+    buf.finish();
+    if (fail_next_data_) {
+      fail_next_data_ = false;
+      rec = dataFailedLocked(MPIX_ERR_PROC_FAILED, "MPI_Allreduce");
+    }
+  }
+  last_ = rec;
+  return rec;
+}
+
+FailureRecord UlfmComm::broadcast(at::Tensor& tensor, int root) {
+  checkDense(tensor, "broadcast");
+  std::lock_guard<std::mutex> lk(mu_);
+  auto g = lockGlobal();
+  if (root < 0 || root >= size_) {
+    throw std::invalid_argument("broadcast: root " + std::to_string(root) +
+                                " is not a group rank (group size " + std::to_string(size_) +
+                                ")");
+  }
+  FailureRecord rec = protocolLocked();
+  if (!rec.ok) {
+    last_ = rec;
+    return rec;
+  }
+  DataBuffer buf(tensor);
+  maybeKill(KillPoint::DATA);
+  maybeKill(KillPoint::DATA_ASYNC);
+  char* ptr = static_cast<char*>(buf.data());
+  const int64_t nbytes = buf.numel() * buf.elementSize();
+  int rc = MPI_SUCCESS;
+  for (int64_t off = 0; off < nbytes && rc == MPI_SUCCESS; off += kMaxCount) {
+    const int n = static_cast<int>(std::min<int64_t>(kMaxCount, nbytes - off));
+    rc = MPI_Bcast(ptr + off, n, MPI_BYTE, root, comm_);
+  }
+  if (rc != MPI_SUCCESS) {
+    rec = dataFailedLocked(rc, "MPI_Bcast");
+  } else {
+    buf.finish();
+    if (fail_next_data_) {
+      fail_next_data_ = false;
+      rec = dataFailedLocked(MPIX_ERR_PROC_FAILED, "MPI_Bcast");
+    }
+  }
+  last_ = rec;
+  return rec;
+}
+
+FailureRecord UlfmComm::consensus() {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto g = lockGlobal();
+  FailureRecord rec = protocolLocked();
+  last_ = rec;
+  return rec;
+}
+
+FailureRecord UlfmComm::barrier() {
+  // MPIX_Comm_agree cannot complete anywhere before every live member has entered it, so the
+  // Detect phase is already a barrier: a barrier is a consensus.
+  return consensus();
+}
+
+} // namespace recover_hsdp
