@@ -23,8 +23,9 @@ agree on ONE failed-replica set and ONE epoch before anyone commits (docs/hsdp.m
      is 1 iff this rank reduced every bucket of the pass under the pre-failure membership; its
      global AND decides the paper's case (b) for everyone at once. A failure during it (detected by
      a confirming consensus) restarts from step 2.
-  4. after a failure, every replicate group is rebuilt from the surviving world ranks, so all S
-     groups run under the same membership and the world epoch.
+  4. after a failure, every replicate group is repaired in place down to the surviving
+     replicas, so all S groups run under the same membership (snapshots are tagged with the world
+     epoch, which every survivor shares).
   The replica-level record (election, census, contrib, at_boundary) is then computed locally from
   agreed inputs with the policy's pure functions: identical on every survivor by construction.
 """
@@ -235,8 +236,23 @@ class HSDPCrossReplicaGroup:
                 return failed
 
     def _rebuild_groups(self) -> None:
-        self.rg = self._make_group(self._replicate_ranks())
+        """Bring my replicate group to exactly the surviving replicas.
+
+        After the world closure every rank of a failed replica is dead, so a ULFM_CONSENSUS on
+        the group (Detect -> Repair) shrinks it to the survivors; every member of the group gets
+        here, so the calls pair up. (MPI_Comm_create_group on MPI_COMM_WORLD is refused once a
+        process has failed, hence repair-in-place rather than rebuild.)
+        """
+        expected = self._replicate_ranks()
+        for _ in range(len(expected) + self.w_init + 2):
+            if sorted(self.rg.global_ranks) == expected:
+                break
+            self.rg.consensus()
+        else:
+            raise RuntimeError(f"replicate group {self.shard_index} did not converge to ranks "
+                               f"{expected} (has {sorted(self.rg.global_ranks)})")
         self._group_quiesced = False
         self._quiesce_flag = False
+        self.rg.set_quiesce(False)
         self.rg.set_roles([self._roles[r] for r in self.alive])
         self.rg.set_contributed(self._contributed)

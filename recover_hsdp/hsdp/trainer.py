@@ -173,3 +173,10 @@ def _shards(mgr) -> dict[str, torch.Tensor]:
 
 def _is_logger(mgr) -> bool:
     return mgr.replica == min(mgr.policy.alive) and mgr.shard_index == 0
+
+
+if __name__ == "__main__":  # mpirun ... python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml
+    if len(sys.argv) != 2:
+        print("usage: python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_worker(sys.argv[1]))

@@ -1,0 +1,61 @@
+"""Run the per-rank trainer under `mpirun --with-ft ulfm` with a store hosted by this process.
+
+The TCPStore lives here, outside the training ranks, so a kill of global rank 0 loses nothing.
+Success is read from the run directory, never from mpirun's exit status (ULFM keeps the job alive
+and mpirun exits 0 after SIGKILLs).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def mpirun_prefix(n: int) -> list[str]:
+    bindir = Path(sys.executable).parent
+    mpirun = bindir / "mpirun"
+    cmd = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm", "--oversubscribe",
+           "--bind-to", "none", "-n", str(n)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run_training(cfg: dict, *, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    run_dir = Path(cfg["run"]["output_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir.parent / (run_dir.name + ".resolved.yaml")
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    n = int(cfg["parallel"]["replicas"]) * int(cfg["parallel"]["shard_size"])
+    e = dict(os.environ)
+    e.update({"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+              "PATH": f"{Path(sys.executable).parent}:{e.get('PATH', '')}"})
+    e.update(env or {})
+    with serve_store() as addr:
+        e["RECOVER_HSDP_STORE"] = addr
+        cmd = mpirun_prefix(n) + ["-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
+                                  sys.executable, "-m", "recover_hsdp.hsdp.trainer", str(cfg_path)]
+        p = subprocess.Popen(cmd, cwd=REPO, env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            raise AssertionError(f"training run timed out after {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+
+
+if __name__ == "__main__":
+    cfg = yaml.safe_load(open(sys.argv[1]))
+    r = run_training(cfg, timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 300)
+    print(r.stdout)
