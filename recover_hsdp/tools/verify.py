@@ -1,0 +1,127 @@
+"""`recover-hsdp verify RUN_DIR`: replay a run in one process and compare its parameters.
+
+    recover-hsdp verify runs/demo                    # one line per step, then the verdict
+    recover-hsdp verify runs/demo --quiet --every 50 --json verify.json
+    recover-hsdp verify runs/demo --atol 1e-5        # fixed tolerance instead of the derived one
+    recover-hsdp verify runs/demo --records-only     # record invariants only (no torch replay)
+
+Exit status: 0 verified; 1 the run violates the contract (a record invariant, or parameters
+differ beyond the tolerance: the first failing step is named); 2 the run directory cannot be
+verified (missing, unreadable, inconsistent, other data than the run's). See docs/verify.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+PROG = "recover-hsdp verify"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from recover_hsdp.verify.tolerance import DEFAULT_C, DEFAULT_C_RMS, DEFAULT_REL_FLOOR
+
+    p = _Parser(prog=PROG, description="Replay every committed step of a run directory in one "
+                "process over exactly the recorded microbatches and compare the parameters.")
+    p.add_argument("run_dir")
+    p.add_argument("--atol", type=float, default=None,
+                   help="fixed element tolerance (default: C*sqrt(sum lr^2) + fp32 floor)")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="extra element tolerance relative to |expected| (default 0)")
+    p.add_argument("--rms-tol", type=float, default=None,
+                   help="fixed tolerance on the RMS difference of each flat parameter "
+                        "(default: C_RMS*sqrt(sum lr^2) + fp32 floor; 'inf' disables)")
+    p.add_argument("--c", dest="c", type=float, default=DEFAULT_C,
+                   help=f"C of the derived element tolerance (default {DEFAULT_C:g})")
+    p.add_argument("--c-rms", type=float, default=DEFAULT_C_RMS,
+                   help=f"C_RMS of the derived RMS tolerance (default {DEFAULT_C_RMS:g})")
+    p.add_argument("--anchor", action="store_true",
+                   help="continue the replay from the run's parameters after each snapshot "
+                        "that passes (long runs: honest divergence cannot accumulate)")
+    p.add_argument("--rel-floor", type=float, default=DEFAULT_REL_FLOOR,
+                   help=f"max_rel = |diff| / max(|expected|, floor) (default {DEFAULT_REL_FLOOR:g})")
+    p.add_argument("--device", default="cpu", help="replay device (default cpu)")
+    p.add_argument("--until", type=int, default=None, help="stop after this step")
+    p.add_argument("--records-only", action="store_true",
+                   help="check the record invariants only (no replay)")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only every --every-th step, failures and the verdict")
+    p.add_argument("--every", type=int, default=None,
+                   help="with --quiet: progress every N steps (default 100)")
+    p.add_argument("--json", dest="json_path", default=None,
+                   help="write the machine-readable result to this file ('-' = stdout)")
+    return p
+
+
+def _step_line(rep) -> str:
+    from recover_hsdp.verify.replay import _fmt
+
+    head = (f"step {rep.step}: {rep.microbatches} mb from {rep.replicas} replicas / "
+            f"{rep.divisor}  lr={rep.lr:.3g}")
+    if not rep.compared:
+        return f"{head}  replayed ({rep.seconds:.2f}s)"
+    copies = (f"  copies={rep.copies}" + (f" (agree {_fmt(rep.copies_max_diff)})"
+                                          if rep.copies_max_diff is not None else ""))
+    return (f"{head}  max_abs={_fmt(rep.max_abs)}  max_rel={_fmt(rep.max_rel)}  "
+            f"rms={_fmt(rep.max_rms)}  tol={_fmt(rep.tol)}  rms_tol={_fmt(rep.rms_tol)}{copies}  "
+            f"{'ok' if rep.ok else 'FAIL'} ({rep.seconds:.2f}s)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        if args.every is not None and args.every < 1:
+            raise _UsageError("--every must be >= 1")
+    except _UsageError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    every = args.every or (100 if args.quiet else 1)
+    out = sys.stderr if args.json_path == "-" else sys.stdout
+
+    def on_step(rep) -> None:
+        if not args.quiet or not rep.ok or rep.step % every == 0:
+            print(_step_line(rep), file=out, flush=True)
+
+    def on_note(text: str) -> None:
+        print(f"note: {text}", file=out, flush=True)
+
+    from recover_hsdp.verify.replay import EXIT_ERROR, verify_run
+
+    try:
+        result = verify_run(args.run_dir, atol=args.atol, rtol=args.rtol, c=args.c,
+                            c_rms=args.c_rms, rms_atol=args.rms_tol, rel_floor=args.rel_floor,
+                            device=args.device, until=args.until, anchor=args.anchor,
+                            records_only=args.records_only, on_step=on_step, on_note=on_note)
+    except KeyboardInterrupt:
+        print("verify: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - an unexpected failure is still one line, exit 2
+        print(f"verify: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_ERROR
+    print(result.message, file=out if result.exit_code != EXIT_ERROR else sys.stderr, flush=True)
+    if args.json_path:
+        text = json.dumps(result.to_json(), indent=1, sort_keys=True, allow_nan=False)
+        if args.json_path == "-":
+            print(text)
+        else:
+            try:
+                with open(args.json_path, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as e:
+                print(f"verify: error: cannot write {args.json_path}: {e}", file=sys.stderr)
+                return EXIT_ERROR
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

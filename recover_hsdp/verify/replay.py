@@ -1,0 +1,457 @@
+"""The exact oracle: replay every committed step of a run in ONE process and compare parameters.
+
+``verify_run(run_dir)`` (what ``recover-hsdp verify`` runs):
+
+1. ``RunSpec.load``: meta.json + config.yaml + the merged step records (exit 2 if unusable).
+2. Record invariants (``records.check_records``): no gap, divisor == B (static), count ==
+   divisor, ids in their contributor's slice, unique over the run, increasing per replica. A
+   violation fails at once (exit 1) without replaying.
+3. Model ``build_model(model_cfg, seed)``, optimizer ``build_optimizer(named_parameters, optim)``,
+   microbatch sources of the replica microbatch (mbs * S sequences); the data fingerprint must be
+   the run's (exit 2 otherwise).
+4. The ``INIT_STEP`` snapshot must equal the model's initial parameters bit for bit (an init
+   mismatch is reported as such, not blamed on step 0).
+5. For each committed step: zero grads; for every (replica, ids) of ``contributions``, for each
+   id: ``loss = next_token_loss(model(x), y, S*mbs*seq_len); loss.backward()``; grads /=
+   divisor; ``set_lr(lr_at(step))``; ``optimizer.step()``. If the run saved parameters for the
+   step: every shard j, every replica's copy, is compared with ``flat_shard_from_full(model,
+   layout, j, S, pad_value=PARAM_PADDING_VALUE)``; padding included.
+
+The first step whose difference exceeds the tolerance (``tolerance.Tolerance``) fails the run.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recover_hsdp.record import INIT_STEP, RecordError, load_params, param_copies, param_steps
+from recover_hsdp.verify.records import check_records
+from recover_hsdp.verify.spec import RunSpec, VerifyInputError
+from recover_hsdp.verify.tolerance import (DEFAULT_C, DEFAULT_C_RMS, DEFAULT_REL_FLOOR, Tolerance,
+                                           ulp_floor)
+
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+@dataclass
+class StepReport:
+    step: int
+    microbatches: int = 0
+    replicas: int = 0
+    divisor: int = 0
+    lr: float = 0.0
+    compared: bool = False
+    max_abs: float | None = None
+    max_rel: float | None = None
+    tol: float | None = None
+    copies: int = 0                       # (shard, replica) files compared
+    copies_max_diff: float | None = None  # largest difference between replicas' copies
+    max_rms: float | None = None          # largest RMS difference of one flat parameter
+    rms_tol: float | None = None
+    reason: str | None = None             # element | rms | copies (when not ok)
+    ok: bool = True
+    where: str | None = None              # location of max_abs: "shard j, param fqn[idx]"
+    seconds: float = 0.0
+
+
+@dataclass
+class VerifyResult:
+    run_dir: str
+    ok: bool
+    exit_code: int
+    message: str
+    steps_committed: int = 0
+    steps_replayed: int = 0
+    steps_compared: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    max_rms: float = 0.0
+    tol: float | None = None              # element tolerance at the last replayed step
+    rms_tol: float | None = None          # per-flat-parameter RMS tolerance at the last step
+    tolerance: str = ""
+    failed_step: int | None = None
+    failure: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    reports: list[StepReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["steps"] = d.pop("reports")
+        for rep in d["steps"]:
+            for k in ("max_abs", "max_rel", "tol", "copies_max_diff", "max_rms", "rms_tol"):
+                if isinstance(rep[k], float) and not math.isfinite(rep[k]):
+                    rep[k] = str(rep[k])
+        for k in ("max_abs", "max_rel", "tol", "max_rms", "rms_tol"):
+            if isinstance(d[k], float) and not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return d
+
+
+class _Failed(Exception):
+    def __init__(self, step: int, message: str, failure: dict):
+        super().__init__(message)
+        self.step, self.message, self.failure = step, message, failure
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def locate(layout, bucket: int, shard_index: int, pos: int) -> str:
+    """Human name of element ``pos`` of shard ``shard_index`` of flat parameter ``bucket``."""
+    fl = layout[bucket]
+    n = fl.padded_numel // fl.shard_size
+    g = shard_index * n + pos
+    for slot in fl.params:
+        if slot.offset <= g < slot.offset + slot.numel:
+            k, idx = g - slot.offset, []
+            for dim in reversed(slot.shape):
+                idx.append(k % dim)
+                k //= dim
+            return f"{slot.fqn}[{','.join(map(str, reversed(idx)))}]"
+    kind = "padding inside the flat parameter" if g < fl.unpadded_numel else "shard padding"
+    return f"flat{bucket} {kind} (element {g})"
+
+
+class _Comparator:
+    """Compares saved shards with the replayed model's parameters."""
+
+    def __init__(self, spec: RunSpec, rel_floor: float):
+        import torch
+
+        from recover_hsdp.hsdp.fsdp_hybrid import PARAM_PADDING_VALUE, flat_shard_from_full
+
+        self.torch = torch
+        self.spec = spec
+        self.rel_floor = rel_floor
+        self.pad = PARAM_PADDING_VALUE
+        self.flat_shard_from_full = flat_shard_from_full
+        self.last_snapshot = max((s for s in param_steps(spec.run_dir)), default=None)
+
+    def expected(self, model, shard_index: int) -> list:
+        state = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+        try:
+            shards = self.flat_shard_from_full(state, self.spec.layout, shard_index,
+                                               self.spec.shard_size, pad_value=self.pad)
+        except (KeyError, ValueError) as e:
+            raise VerifyInputError(f"meta.json param_layout does not fit the model built from "
+                                   f"config.yaml: {e}") from None
+        return [t.to("cpu") for t in shards]
+
+    def load_into(self, model, step: int) -> bool:
+        """Overwrite the model's parameters with the run's snapshot of ``step`` (lowest replica
+        copy of every shard); False if a shard is missing (the replay then goes on unanchored)."""
+        torch = self.torch
+        copies = param_copies(self.spec.run_dir, step)
+        S = self.spec.shard_size
+        if any(not copies.get(j) for j in range(S)):
+            return False
+        shards = [load_params(self.spec.run_dir, step, j, replica=min(copies[j]), check=False)
+                  for j in range(S)]
+        state = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for i, fl in enumerate(self.spec.layout):
+                full = torch.cat([shards[j][f"flat{i}"].reshape(-1) for j in range(S)])
+                for slot in fl.params:
+                    p = state[slot.fqn]
+                    p.copy_(full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(p))
+        return True
+
+    def compare(self, model, step: int, tol: float, rtol: float,
+                rms_tol: float | None = None) -> StepReport:
+        """Every saved copy of every shard of ``step`` vs the model. Fails (``rep.ok=False``)
+        if an element differs by more than ``tol + rtol*|expected|``, a flat parameter's RMS
+        difference exceeds ``rms_tol``, or two replicas' copies differ by more than ``tol``."""
+        torch = self.torch
+        rep = StepReport(step=step, compared=True, tol=tol, rms_tol=rms_tol)
+        copies = param_copies(self.spec.run_dir, step)
+        label = "init" if step == INIT_STEP else f"step {step}"
+        worst = (-1.0, None)                 # (max |diff|, (j, r, i, k))
+        worst_excess = (0.0, None, 0.0)      # (max diff/allowed, (j, r, i, k), diff)
+        max_rel = 0.0
+        copy_diff = 0.0
+        sq: dict[tuple[int, int], float] = {}   # (replica, flat i) -> sum of squared diffs
+        for j in range(self.spec.shard_size):
+            files = copies.get(j, {})
+            if not files:
+                if step == self.last_snapshot and step != INIT_STEP:
+                    continue  # the run may have died while writing its last snapshot
+                raise VerifyInputError(f"{label}: no copy of shard {j} in params/ (have shards "
+                                       f"{sorted(copies)}): incomplete snapshot")
+            expected = [e.to(torch.float32) for e in self.expected(model, j)]
+            names = [f"flat{i}" for i in range(len(expected))]
+            first = None
+            for r in files:
+                try:
+                    saved = load_params(self.spec.run_dir, step, j, replica=r, check=False)
+                except RecordError as e:
+                    raise VerifyInputError(str(e)) from None
+                if sorted(saved) != sorted(names):
+                    raise VerifyInputError(f"{label}, shard {j}, replica {r}: saved tensors "
+                                           f"{sorted(saved)}, layout has {names}")
+                for i, e in enumerate(expected):
+                    t = saved[f"flat{i}"]
+                    if tuple(t.shape) != tuple(e.shape) or not t.is_floating_point():
+                        raise VerifyInputError(
+                            f"{label}, shard {j}, replica {r}: flat{i} has shape "
+                            f"{tuple(t.shape)} {t.dtype}, layout says ({e.numel()},) float32")
+                    if e.numel() == 0:
+                        continue
+                    diff = (t.to(torch.float32) - e).abs().nan_to_num(math.inf, math.inf, math.inf)
+                    k = int(diff.argmax())
+                    d = float(diff[k])
+                    if d > worst[0]:
+                        worst = (d, (j, r, i, k))
+                    sq[(r, i)] = sq.get((r, i), 0.0) + float(diff.double().square().sum())
+                    max_rel = max(max_rel, float((diff / e.abs().clamp_min(self.rel_floor)).max()))
+                    allowed = tol + rtol * e.abs() if rtol else None
+                    if (d > tol) if allowed is None else bool((diff > allowed).any()):
+                        if allowed is None:
+                            x, kk = d / max(tol, 1e-30), k
+                        else:
+                            ratio = diff / allowed.clamp_min(1e-30)
+                            kk = int(ratio.argmax())
+                            x = float(ratio[kk])
+                        if x > worst_excess[0]:
+                            worst_excess = (x, (j, r, i, kk), float(diff[kk]))
+                if first is None:
+                    first = saved
+                else:
+                    for name in names:
+                        a, b = first[name].float(), saved[name].float()
+                        if a.numel():
+                            dd = float((a - b).abs().nan_to_num(math.inf, math.inf, math.inf).max())
+                            copy_diff = max(copy_diff, dd)
+                rep.copies += 1
+        rep.max_abs = max(worst[0], 0.0)
+        rep.max_rel = max_rel
+        rep.copies_max_diff = copy_diff if rep.copies > self.spec.shard_size else None
+        if worst[1] is not None:
+            j, r, i, k = worst[1]
+            rep.where = f"shard {j}, param {locate(self.spec.layout, i, j, k)}, replica {r}"
+        numel = [max(1, sum(slot.numel for slot in fl.params)) for fl in self.spec.layout]
+        worst_rms = (0.0, None)
+        for (r, i), v in sq.items():
+            rms = math.sqrt(v / numel[i])
+            if rms > worst_rms[0] or worst_rms[1] is None:
+                worst_rms = (rms, (r, i))
+        rep.max_rms = worst_rms[0]
+        if worst_excess[1] is not None:
+            j, r, i, k = worst_excess[1]
+            rep.ok = False
+            rep.reason = "element"
+            rep.where = f"shard {j}, param {locate(self.spec.layout, i, j, k)}, replica {r}"
+        elif rms_tol is not None and worst_rms[1] is not None and worst_rms[0] > rms_tol:
+            r, i = worst_rms[1]
+            fl = self.spec.layout[i]
+            rep.ok = False
+            rep.reason = "rms"
+            rep.where = (f"flat{i} = unit {fl.module_fqn or '(root)'!r}, replica {r}: RMS diff "
+                         f"{worst_rms[0]:.3g} > rms_tol {rms_tol:.3g}")
+        elif copy_diff > tol:
+            rep.ok = False
+            rep.reason = "copies"
+            rep.where = f"copies of the same shard differ between replicas by {copy_diff:.3g}"
+        return rep
+
+
+def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 0.0,
+               c: float = DEFAULT_C, c_rms: float = DEFAULT_C_RMS,
+               rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
+               device: str = "cpu", until: int | None = None, records_only: bool = False,
+               anchor: bool = False,
+               on_step: Callable[[StepReport], None] | None = None,
+               on_note: Callable[[str], None] | None = None) -> VerifyResult:
+    """Verify a run directory; never raises for a bad run (see ``VerifyResult.exit_code``).
+
+    atol / rms_atol: fixed element / per-flat-parameter RMS tolerances instead of the derived
+    ones (c, c_rms; ``tolerance.py``). anchor: after each snapshot that passes, continue the
+    replay from the run's saved parameters (the optimizer state stays the replay's) and restart
+    the tolerance window, so honest divergence cannot accumulate over a long run.
+    """
+    t0 = time.perf_counter()
+    result = VerifyResult(run_dir=str(run_dir), ok=False, exit_code=EXIT_ERROR, message="")
+
+    def note(text: str) -> None:
+        result.notes.append(text)
+        if on_note is not None:
+            on_note(text)
+
+    try:
+        _verify(Path(run_dir), result, note, tol=Tolerance(c=c, c_rms=c_rms, atol=atol,
+                                                            rms_atol=rms_atol, rtol=rtol),
+                rel_floor=rel_floor, device=device, until=until, records_only=records_only,
+                anchor=anchor, on_step=on_step)
+    except _Failed as f:
+        result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
+        result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
+    except VerifyInputError as e:
+        result.ok, result.exit_code = False, EXIT_ERROR
+        result.message = f"verify: error: {' '.join(str(e).split())}"
+    except RecordError as e:
+        result.ok, result.exit_code = False, EXIT_ERROR
+        result.message = f"verify: error: {' '.join(str(e).split())}"
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
+            until, records_only, anchor, on_step) -> None:
+    spec = RunSpec.load(run_dir)
+    record = spec.record
+    steps = record.steps
+    result.steps_committed = len(steps)
+    if not steps:
+        raise VerifyInputError(f"{run_dir}: no committed step to verify")
+    if record.torn:
+        note(f"torn last line in the step files of ranks {record.torn} (dropped; a rank was "
+             f"killed while writing)")
+    for v in check_records(steps, w_init=spec.w_init, B=spec.B, policy=spec.policy,
+                           first_only=True):
+        raise _Failed(v.step, f"step {v.step}: {v.message}",
+                      {"kind": "record", "step": v.step, "message": v.message})
+    if records_only:
+        result.ok, result.exit_code = True, EXIT_OK
+        result.message = (f"verify: OK  steps={len(steps)}  (records only: no replay, "
+                          f"parameters not compared)")
+        return
+
+    import torch
+
+    from recover_hsdp.data import Tokenizer, build_microbatch_source
+    from recover_hsdp.model import build_model, next_token_loss
+    from recover_hsdp.optim import build_optimizer, lr_at, set_lr
+
+    if spec.ignored_keys:
+        note(f"config keys not used by the model/data/optim (ignored, as by the trainer): "
+             f"{', '.join(spec.ignored_keys[:8])}")
+    if spec.restore_enabled is False:
+        note("meta.json: restore_enabled=false (debug switch): this run committed unrestored "
+             "gradients after failures and is expected to FAIL")
+    dev = torch.device(device)
+    tokenizer = Tokenizer(spec.data_cfg.tokenizer)
+    sources: dict[int, Any] = {}
+
+    def source(replica: int):
+        # A random-access source's get(id) is a pure function of id (docs/data.md), so one
+        # source serves every replica; a streaming one needs the replica's own (replay_dir).
+        key = 0 if spec.data_cfg.random_access else replica
+        if key not in sources:
+            try:
+                sources[key] = build_microbatch_source(spec.data_cfg, key, spec.w_init, tokenizer)
+            except Exception as e:  # noqa: BLE001 - any data problem is an input error here
+                raise VerifyInputError(f"data: {type(e).__name__}: {' '.join(str(e).split())}"
+                                       ) from None
+        return sources[key]
+
+    fp = source(0).fingerprint
+    if spec.data_fingerprint is None:
+        note("meta.json has no data_fingerprint: the data cannot be checked to be the run's")
+    elif fp != spec.data_fingerprint:
+        raise VerifyInputError(
+            f"data fingerprint mismatch: the run recorded {spec.data_fingerprint!r}, this "
+            f"machine's data gives {fp!r} (data config, corpus, tokenizer, seq_len or "
+            f"micro_batch_size * shard_size = {spec.data_cfg.micro_batch_size} differ)")
+
+    model = build_model(spec.model_cfg, seed=spec.seed, device=dev)
+    model.train()
+    optimizer = build_optimizer(model.named_parameters(), spec.optim_cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    comparator = _Comparator(spec, rel_floor)
+    covered = {slot.fqn for fl in spec.layout for slot in fl.params}
+    uncovered = [n for n, _ in model.named_parameters() if n not in covered]
+    if uncovered:
+        raise VerifyInputError(f"meta.json param_layout does not hold parameter(s) "
+                               f"{uncovered[:4]} of the model built from config.yaml")
+    saved = set(param_steps(run_dir))
+    committed = set(steps)
+    stray = sorted(s for s in saved if s != INIT_STEP and s not in committed)
+    if stray:
+        note(f"parameter snapshots for steps never committed: {stray[:5]} (ignored)")
+    if not saved & committed:
+        note("no parameter snapshot of any committed step: only the records and the init are "
+             "checked")
+    max_param = max(float(p.detach().abs().max()) for p in params)
+    tol.floor = ulp_floor(max_param)
+    result.tolerance = tol.describe() + ("; anchored at each snapshot" if anchor else "")
+
+    if INIT_STEP in saved:
+        rep = comparator.compare(model, INIT_STEP, 0.0, 0.0)
+        if not rep.ok:
+            raise _Failed(INIT_STEP, f"init ({rep.where}): the saved initial parameters differ "
+                                     f"from build_model(seed={spec.seed}) by max_abs="
+                                     f"{_fmt(rep.max_abs)} (model/seed/layout mismatch)",
+                          {"kind": "init", "max_abs": rep.max_abs, "where": rep.where})
+    else:
+        note("no params/init snapshot: initial parameters not checked")
+
+    last = max(steps) if until is None else min(max(steps), until)
+    for s in range(0, last + 1):
+        t1 = time.perf_counter()
+        rec = steps[s]
+        optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            for r in sorted(rec.contributions):
+                src = source(r)
+                for mb_id in rec.contributions[r]:
+                    try:
+                        x, y = src.get(mb_id)
+                    except Exception as e:  # noqa: BLE001
+                        raise VerifyInputError(f"step {s}: microbatch {mb_id} (replica {r}): "
+                                               f"{type(e).__name__}: {e}") from None
+                    x, y = x.to(dev), y.to(dev)
+                    loss = next_token_loss(model(x), y,
+                                           tokens_per_microbatch=spec.tokens_per_microbatch)
+                    loss.backward()
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(rec.divisor)
+        lr = float(lr_at(s, spec.optim_cfg))
+        set_lr(optimizer, lr)
+        optimizer.step()
+        tol.add_step(lr)
+        if s in saved:
+            rep = comparator.compare(model, s, tol.element, tol.rtol, tol.bulk)
+            result.steps_compared += 1
+            result.max_abs = max(result.max_abs, rep.max_abs or 0.0)
+            result.max_rel = max(result.max_rel, rep.max_rel or 0.0)
+            result.max_rms = max(result.max_rms, rep.max_rms or 0.0)
+        else:
+            rep = StepReport(step=s, tol=tol.element, rms_tol=tol.bulk)
+        rep.microbatches = rec.microbatches
+        rep.replicas = sum(1 for ids in rec.contributions.values() if ids)
+        rep.divisor, rep.lr = rec.divisor, lr
+        rep.seconds = time.perf_counter() - t1
+        result.reports.append(rep)
+        result.steps_replayed += 1
+        result.tol, result.rms_tol = tol.element, tol.bulk
+        if on_step is not None:
+            on_step(rep)
+        if not rep.ok:
+            if rep.reason == "rms":
+                what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)}, "
+                        f"tol {_fmt(tol.element)}")
+            elif rep.reason == "copies":
+                what = f"step {s} ({rep.where}): tol {_fmt(tol.element)}"
+            else:
+                what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
+                        f"{_fmt(tol.element)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
+                                                  else ""))
+            raise _Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
+                                    "where": rep.where, "max_abs": rep.max_abs,
+                                    "max_rel": rep.max_rel, "max_rms": rep.max_rms,
+                                    "tol": tol.element, "rms_tol": tol.bulk})
+        if anchor and rep.compared and comparator.load_into(model, s):
+            tol.reset_window()
+    result.ok, result.exit_code = True, EXIT_OK
+    partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
+    result.message = (f"verify: OK  steps={result.steps_replayed}  "
+                      f"compared={result.steps_compared}  max_abs={result.max_abs:.3g}  "
+                      f"max_rel={result.max_rel:.3g}  max_rms={result.max_rms:.3g}  "
+                      f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}{partial}")
