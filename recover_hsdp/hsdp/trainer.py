@@ -114,7 +114,13 @@ def run_worker(cfg: Any) -> int:
                            params_every=int(run.get("save_params_every", 1) or 0) or 10**9,
                            final_step=steps - 1)
     mgr.set_failure_schedule(schedule, before_kill=recorder.fault_fired)
-    layout = [l.to_dict() for l in fh.parameter_layout(mgr.module)]
+    # meta.json must be byte-identical on every rank: describe the layout as seen by shard 0
+    # (flat_shard_from_full derives any shard j from padded_numel and shard_size)
+    layout = []
+    for l in fh.parameter_layout(mgr.module):
+        d = l.to_dict()
+        d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
+        layout.append(d)
     sources[mgr.replica] = build_microbatch_source(data_cfg, mgr.replica, W)
     fingerprint = sources[mgr.replica].fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
