@@ -1,0 +1,209 @@
+"""The optimizer and its learning-rate schedule: what the manager steps and `verify` replays.
+
+Both the training manager and `recover-hsdp verify` build the optimizer with
+:func:`build_optimizer` and set :func:`lr_at` into every param group (:func:`set_lr`) before each
+optimizer step, so a replay in one process reproduces the run exactly.
+
+* AdamW with two param groups, in this order: ``decay`` (weight decay ``weight_decay``) and
+  ``no_decay`` (weight decay 0: every parameter whose *cleaned* name contains ``"norm"``, i.e. the
+  RMSNorm weights). Cleaning strips wrapper prefixes (``_fsdp_wrapped_module.``,
+  ``_checkpoint_wrapped_module.``, ``_orig_mod.``) so an FSDP-wrapped model and the plain model
+  group the same parameters. Both groups always exist (possibly empty) so group indices agree on
+  every rank and in the replay.
+* Schedule over the 0-based optimizer step ``s`` (the step index in the run record):
+  - warm-up, ``s < warmup_steps``: ``lr * (s + 1) / warmup_steps``. Step 0 gets
+    ``lr / warmup_steps`` (never 0: a zero-lr step would be a wasted step), step
+    ``warmup_steps - 1`` gets the full ``lr``. ``warmup_steps = 0``: no warm-up.
+  - cosine, ``warmup_steps <= s``: from ``lr`` at ``s = warmup_steps`` down to
+    ``min_lr_ratio * lr`` at ``s = total_steps - 1`` (the last step of the run), then held there.
+    ``total_steps = None`` means ``run.steps`` (`recover_hsdp.config.resolve_config` fills it in).
+
+torch is imported only by the functions that need it, so the config layer (and the CLI's
+validation, which runs before any process starts) imports this module cheaply.
+
+No ``from __future__ import annotations``: OmegaConf reads the dataclass annotations.
+"""
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, Mapping, Optional, Tuple
+
+#: Wrapper prefixes removed from parameter names before matching NO_DECAY_SUBSTRING.
+WRAPPER_PREFIXES: Tuple[str, ...] = (
+    "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.",
+)
+#: A parameter whose cleaned name contains this gets no weight decay.
+NO_DECAY_SUBSTRING = "norm"
+_PREFIX_RE = re.compile("|".join(re.escape(p) for p in WRAPPER_PREFIXES))
+
+
+class OptimConfigError(ValueError):
+    """An optimizer setting is invalid; the message names the key and the values."""
+
+
+@dataclass
+class OptimConfig:
+    """conf/optim/*.yaml (the ``optim`` group); AdamW + warm-up + cosine."""
+
+    lr: float = 1.0e-3                  # peak learning rate (after warm-up)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+    weight_decay: float = 0.1           # decoupled (AdamW); 0 for *norm* parameters
+    warmup_steps: int = 2               # linear warm-up steps; 0 = none
+    min_lr_ratio: float = 0.1           # cosine floor, as a fraction of lr
+    total_steps: Optional[int] = None   # cosine horizon; None = run.steps
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise OptimConfigError(f"optim.{msg}")
+
+        for key in ("lr", "eps"):
+            v = getattr(self, key)
+            if not _is_real(v) or not v > 0:
+                bad(f"{key}({v!r}) must be a number > 0")
+        betas = list(self.betas) if isinstance(self.betas, (list, tuple)) or _is_seq(self.betas) \
+            else None
+        if betas is None or len(betas) != 2 or not all(_is_real(b) and 0 <= b < 1 for b in betas):
+            bad(f"betas({_show(self.betas)}) must be two numbers in [0, 1)")
+        self.betas = [float(b) for b in betas]
+        if not _is_real(self.weight_decay) or self.weight_decay < 0:
+            bad(f"weight_decay({self.weight_decay!r}) must be a number >= 0")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            bad(f"warmup_steps({self.warmup_steps!r}) must be an integer >= 0")
+        if not _is_real(self.min_lr_ratio) or not 0 <= self.min_lr_ratio <= 1:
+            bad(f"min_lr_ratio({self.min_lr_ratio!r}) must be a number in [0, 1]")
+        if self.total_steps is not None:
+            if not _is_int(self.total_steps) or self.total_steps < 1:
+                bad(f"total_steps({self.total_steps!r}) must be an integer >= 1 or null "
+                    f"(null: run.steps)")
+            if self.warmup_steps > self.total_steps:
+                bad(f"warmup_steps({self.warmup_steps}) must be <= optim.total_steps"
+                    f"({self.total_steps})")
+
+    @classmethod
+    def from_mapping(cls, mapping: Any) -> "OptimConfig":
+        """From an OptimConfig, a dict, or an OmegaConf node; unknown keys are named."""
+        if isinstance(mapping, OptimConfig):
+            return mapping
+        if mapping is None:
+            return cls()
+        known = [f.name for f in dataclasses.fields(cls)]
+        values = {}
+        for k in mapping:
+            if k not in known:
+                raise OptimConfigError(f"optim.{k}: unknown key (optim keys: {', '.join(known)})")
+            values[str(k)] = _plain(mapping[k])
+        return cls(**values)
+
+    def with_total_steps(self, total_steps: int) -> "OptimConfig":
+        """This config with ``total_steps`` filled in if it is None (run.steps)."""
+        if self.total_steps is not None:
+            return self
+        return dataclasses.replace(self, total_steps=total_steps)
+
+
+def _plain(v: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(v):
+            return OmegaConf.to_container(v, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_seq(v: Any) -> bool:
+    return hasattr(v, "__len__") and hasattr(v, "__getitem__") and not isinstance(v, (str, bytes))
+
+
+def _show(v: Any) -> str:
+    v = _plain(v)
+    return repr(list(v)) if _is_seq(v) else repr(v)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg[key]
+    return getattr(cfg, key)
+
+
+def clean_param_name(name: str) -> str:
+    """``name`` without wrapper prefixes (FSDP, activation checkpointing, torch.compile)."""
+    return _PREFIX_RE.sub("", name)
+
+
+def is_no_decay(name: str) -> bool:
+    return NO_DECAY_SUBSTRING in clean_param_name(name)
+
+
+def param_groups(named_params: Iterable[Tuple[str, Any]], weight_decay: float) -> List[dict]:
+    """``[decay, no_decay]`` param-group dicts (parameters with requires_grad=False skipped)."""
+    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    for name, p in named_params:
+        if not getattr(p, "requires_grad", True):
+            continue
+        if is_no_decay(name):
+            no_decay.append(p)
+            no_decay_names.append(clean_param_name(name))
+        else:
+            decay.append(p)
+            decay_names.append(clean_param_name(name))
+    return [
+        {"params": decay, "weight_decay": float(weight_decay), "name": "decay",
+         "param_names": decay_names},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay",
+         "param_names": no_decay_names},
+    ]
+
+
+def build_optimizer(named_params: Iterable[Tuple[str, Any]], cfg: Any):
+    """AdamW over ``named_params`` (e.g. ``model.named_parameters()``) with the two groups above.
+
+    ``cfg``: an OptimConfig, a dict or an OmegaConf node with the OptimConfig keys. The initial
+    lr is ``cfg.lr``; call :func:`set_lr` with :func:`lr_at` before every step.
+    """
+    import torch
+
+    cfg = OptimConfig.from_mapping(cfg)
+    groups = param_groups(named_params, cfg.weight_decay)
+    if not groups[0]["params"] and not groups[1]["params"]:
+        raise ValueError("build_optimizer: no trainable parameters")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def lr_at(step: int, cfg: Any) -> float:
+    """The learning rate of 0-based optimizer step ``step`` (see the module docstring)."""
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"lr_at: step must be an integer >= 0, got {step!r}")
+    lr = float(_get(cfg, "lr"))
+    warmup = int(_get(cfg, "warmup_steps"))
+    total = _get(cfg, "total_steps")
+    if total is None:
+        raise OptimConfigError("optim.total_steps(None) is unresolved: resolve it to run.steps "
+                               "(recover_hsdp.config.resolve_config or "
+                               "OptimConfig.with_total_steps)")
+    total = int(total)
+    min_lr = float(_get(cfg, "min_lr_ratio")) * lr
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    # progress 0 at the peak (step == warmup), 1 at the last step (total - 1) and after it
+    span = total - 1 - warmup
+    progress = min(1.0, (step - warmup) / span) if span > 0 else float(step > warmup)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set ``lr`` into every param group of ``optimizer``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

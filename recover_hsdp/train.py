@@ -1,0 +1,537 @@
+"""`recover-hsdp train [flags] [overrides]`: compose, validate, launch, and judge a training run.
+
+Two modes, one file:
+
+* Launcher (a plain process, no MPI): compose conf/ + overrides with Hydra's compose API,
+  resolve and VALIDATE every job before anything starts (a bad config is one line on stderr and
+  exit code 2), write ``<run dir>/launcher/config.yaml``, host the rendezvous TCPStore outside
+  the ranks (``serve_store``), run
+  ``mpirun --with-ft ulfm --oversubscribe [--allow-run-as-root] -n <W*S> -x ... <python> -m
+  recover_hsdp.train --worker <run dir>/launcher/config.yaml`` with RECOVER_HSDP_STORE,
+  OMP_NUM_THREADS and RECOVER_HSDP_SHARD_TIMEOUT_S set, stream its output (also to
+  ``launcher/output.log``), and decide success from the RUN DIRECTORY (mpirun exits 0 even
+  after ranks were killed under ULFM): every step in [0, run.steps) committed.
+* Worker (``--worker FILE``, inside each MPI rank): load the resolved config, check it against
+  the MPI world size, call ``recover_hsdp.hsdp.trainer.run_worker(cfg) -> int``.
+
+Sweeps (``-m``/``--multirun``): Hydra's sweep syntax (``parallel.replicas=2,4``,
+``range(1,4)``, ``choice(a,b)``), the cartesian product, run one job at a time, each in
+``<run.output_dir>/<i>_<swept overrides>``; a table at the end.
+
+Hydra never writes into the working directory here: the compose API has no output directory,
+logging set-up or chdir. ``hydra_app`` (an importable ``@hydra.main`` app over the same conf/)
+exists for code that wants Hydra's own entry point; conf/config.yaml disables its output dir.
+
+Exit codes: 0 every job committed all run.steps; 1 a job did not (or could not start);
+2 bad flags or config (nothing was started); 3 the run.time_limit_s stopped a job;
+130 interrupted (Ctrl-C / SIGTERM; the job is stopped).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import importlib.util
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_TIME_LIMIT = 3
+EXIT_INTERRUPTED = 130
+
+LAUNCHER_DIR = "launcher"        # <run dir>/launcher/{config.yaml, command.sh, output.log}
+PROG = "recover-hsdp train"
+
+USAGE = f"""usage: {PROG} [-m|--multirun] [--dry-run] [--print-config] [KEY=VALUE | GROUP=OPTION ...]
+
+Compose conf/config.yaml with the overrides, validate it, launch replicas*shard_size ranks under
+`mpirun --with-ft ulfm`, and report from the run directory.
+
+  GROUP=OPTION    model=llama_debug|llama_1b  data=embedded|c4|local  policy=static|adaptive
+                  failures=none|demo|random  debug=default|no_restore
+  KEY=VALUE       parallel.replicas=4 parallel.shard_size=2 parallel.grad_accum=2 run.steps=20
+                  run.output_dir=runs/x failures.schedule=my_kills.yaml  (all keys: docs/cli.md)
+  -m, --multirun  sweep: parallel.replicas=2,4 parallel.shard_size=1,2 runs 4 jobs, one by one
+  --dry-run       validate and print the mpirun command of each job; start nothing
+  --print-config  print the resolved config of each job (YAML) and exit
+
+exit codes: 0 all steps committed; 1 run failed; 2 bad config; 3 time limit; 130 interrupted"""
+
+
+class UsageError(Exception):
+    pass
+
+
+@dataclass
+class Flags:
+    multirun: bool = False
+    dry_run: bool = False
+    print_config: bool = False
+    help: bool = False
+    worker: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def parse_args(argv: Sequence[str]) -> Flags:
+    flags = Flags()
+    it = iter(argv)
+    for a in it:
+        if a in ("-m", "--multirun"):
+            flags.multirun = True
+        elif a == "--dry-run":
+            flags.dry_run = True
+        elif a in ("--print-config", "--cfg"):
+            flags.print_config = True
+        elif a in ("-h", "--help"):
+            flags.help = True
+        elif a == "--worker" or a.startswith("--worker="):
+            flags.worker = a.partition("=")[2] if "=" in a else next(it, None)
+            if not flags.worker:
+                raise UsageError("--worker needs the path of a resolved config file")
+        elif a.startswith("-"):
+            raise UsageError(f"unknown flag {a!r}")
+        else:
+            flags.overrides.append(a)
+    return flags
+
+
+def _err(msg: str) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs: sweep expansion, composition, run directories
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    index: int | None          # None: a single run (not a sweep)
+    overrides: list[str]       # this job's overrides (sweeps expanded)
+    swept: list[str]           # the overrides that vary across the sweep
+    cfg: Any                   # the resolved DictConfig
+    checked: Any               # recover_hsdp.config.CheckedConfig
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run.output_dir)
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.swept) if self.swept else "(defaults)" if not self.overrides \
+            else " ".join(self.overrides)
+
+
+def expand_sweep(overrides: Sequence[str]) -> tuple[list[list[str]], list[str]]:
+    """Hydra's basic-sweeper expansion: (one override list per job, the swept keys).
+
+    ``a=1,2 b=x,y`` -> [a=1 b=x], [a=1 b=y], [a=2 b=x], [a=2 b=y] (the first key varies
+    slowest). ``range(..)`` and ``choice(..)`` work; ``glob(..)`` is refused (list the options).
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from recover_hsdp.config import TrainConfigError, _one_line
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as e:  # noqa: BLE001 - OverrideParseException
+        raise TrainConfigError(f"cannot parse override: {_one_line(e)}") from None
+    swept = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+    for o in parsed:
+        if o.is_sweep_override() and "glob(" in o.input_line:
+            raise TrainConfigError(f"{o.input_line}: glob() sweeps are not supported; list the "
+                                   f"options (e.g. model=llama_debug,llama_1b)")
+    try:
+        batches = BasicSweeper.split_arguments(parsed, None)
+    except Exception as e:  # noqa: BLE001
+        raise TrainConfigError(f"cannot expand sweep: {_one_line(e)}") from None
+    jobs = [list(j) for batch in batches for j in batch]
+    return jobs or [list(overrides)], swept
+
+
+def holds_run(path: Path) -> bool:
+    return any((path / n).exists() for n in ("meta.json", "steps", "summary.json", LAUNCHER_DIR))
+
+
+def _unique(path: Path) -> Path:
+    """An automatic (timestamp) run directory that does not exist yet: path, path-1, ..."""
+    if not path.exists():
+        return path
+    for i in range(1, 10000):
+        cand = path.with_name(f"{path.name}-{i}")
+        if not cand.exists():
+            return cand
+    raise RuntimeError(f"no free run directory next to {path}")
+
+
+def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.PathLike | None = None,
+                 now: datetime.datetime | None = None) -> list[Job]:
+    """Compose, resolve and validate every job (nothing is started or written)."""
+    from recover_hsdp.config import compose_config, override_dirname, resolve_config, validate
+
+    cwd = Path(cwd or os.getcwd())
+    now = now or datetime.datetime.now()
+    if multirun:
+        job_overrides, swept_keys = expand_sweep(overrides)
+    else:
+        job_overrides, swept_keys = [list(overrides)], []
+    jobs = []
+    for i, ovs in enumerate(job_overrides):
+        swept = [o for o in ovs if o.split("=", 1)[0].lstrip("+~") in swept_keys]
+        cfg = compose_config(ovs)
+        explicit = cfg.run.output_dir or cfg.run.name
+        base = resolve_config(cfg, cwd=cwd, now=now).run.output_dir
+        if not explicit:
+            base = str(_unique(Path(base)))
+        run_dir = Path(base, f"{i}_{override_dirname(swept)}") if multirun else Path(base)
+        cfg = resolve_config(cfg, cwd=cwd, run_dir=run_dir, now=now)
+        checked = validate(cfg)
+        if holds_run(run_dir) and not cfg.run.overwrite:
+            from recover_hsdp.config import TrainConfigError
+
+            raise TrainConfigError(f"run.output_dir({str(run_dir)!r}) already holds a run: "
+                                   f"choose another run.output_dir/run.name or set "
+                                   f"run.overwrite=true")
+        jobs.append(Job(i if multirun else None, list(ovs), swept, cfg, checked))
+    dirs = [j.run_dir for j in jobs]
+    if len(set(dirs)) != len(dirs):
+        from recover_hsdp.config import TrainConfigError
+
+        raise TrainConfigError("two sweep jobs would share one run directory: give "
+                               "run.output_dir per job or sweep fewer keys")
+    return jobs
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching one job
+# ---------------------------------------------------------------------------------------------
+def worker_fn_spec() -> str:
+    from recover_hsdp.launch import DEFAULT_WORKER_FN, ENV_WORKER_FN
+
+    return os.environ.get(ENV_WORKER_FN) or DEFAULT_WORKER_FN
+
+
+def check_worker_available() -> str | None:
+    """None if the worker function's module can be found, else why not (one line)."""
+    spec = worker_fn_spec()
+    module = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return (f"{module} is not available in this tree: the training manager "
+            f"(run_worker) is not written yet")
+
+
+def job_command(job: Job, config_path: Path, env: dict[str, str]) -> list[str]:
+    from recover_hsdp.launch import exported_vars, mpirun_command
+
+    run = job.cfg.run
+    return mpirun_command(int(run.np), config_path, mpirun=run.mpirun,
+                          mpirun_args=list(run.mpirun_args), export=exported_vars(env))
+
+
+def job_env(job: Job, store: str) -> dict[str, str]:
+    from recover_hsdp.launch import rank_env
+
+    run = job.cfg.run
+    return rank_env(store, omp_num_threads=int(run.omp_num_threads),
+                    shard_timeout_s=float(run.shard_timeout_s))
+
+
+@dataclass
+class JobResult:
+    job: Job
+    status: str                    # ok | incomplete | failed | time_limit | interrupted
+    exit_code: int
+    steps_expected: int
+    steps_committed: int = 0
+    last_step: int | None = None
+    failures_survived: int = 0
+    replicas_alive: list[int] = field(default_factory=list)
+    wall_time_s: float | None = None      # the run's own (summary.json)
+    launcher_wall_s: float = 0.0          # mpirun start to end, start-up included
+    tokens: int = 0
+    tokens_per_s: float | None = None
+    note: str = ""
+
+
+def judge_run(job: Job, launcher_wall_s: float, stopped: str | None) -> JobResult:
+    """Success from the run directory: all of [0, run.steps) committed (not mpirun's code)."""
+    from recover_hsdp.record import RecordError, read_run
+
+    steps = int(job.cfg.run.steps)
+    res = JobResult(job, "failed", EXIT_FAILED, steps, launcher_wall_s=launcher_wall_s)
+    try:
+        rec = read_run(job.run_dir)
+    except RecordError as e:
+        res.note = f"no usable run record ({' '.join(str(e).split())})"
+        rec = None
+    if rec is not None:
+        committed = [s for s in rec.steps if 0 <= s < steps]
+        res.steps_committed = len(committed)
+        res.last_step = rec.last_step
+        summary = rec.summary or {}
+        lost = sorted({r for s in rec.steps.values() for f in s.failures
+                       for r in f.get("replicas", [])})
+        res.failures_survived = int(summary.get("failures_survived", len(lost)))
+        res.replicas_alive = list(summary.get("replicas_alive") or
+                                  (rec.steps[rec.last_step].alive if rec.steps else []))
+        res.tokens = int(summary.get("tokens") or sum(s.tokens for s in rec.steps.values()))
+        res.wall_time_s = summary.get("wall_time_s")
+        res.tokens_per_s = summary.get("tokens_per_s")
+        if res.tokens_per_s is None and res.tokens and launcher_wall_s > 0:
+            res.tokens_per_s = res.tokens / launcher_wall_s
+        complete = set(committed) == set(range(steps))
+        if complete:
+            res.status, res.exit_code = "ok", EXIT_OK
+            if not rec.summary:
+                res.note = "summary.json missing (numbers recomputed from the step files)"
+        else:
+            res.status = "incomplete"
+            if rec.gaps:
+                res.note = f"gaps in the committed steps: {rec.gaps[:10]}"
+    if res.exit_code != EXIT_OK and stopped == "time_limit":
+        res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
+    elif res.exit_code != EXIT_OK and stopped == "interrupted":
+        res.status, res.exit_code = "interrupted", EXIT_INTERRUPTED
+    return res
+
+
+def launch_job(job: Job) -> JobResult:
+    """Write the resolved config, host the store, run mpirun, judge the run directory."""
+    from omegaconf import OmegaConf
+
+    from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+    from recover_hsdp.launch import default_store_host, run_job
+
+    run_dir = job.run_dir
+    if job.cfg.run.overwrite and holds_run(run_dir):
+        shutil.rmtree(run_dir)
+    ldir = run_dir / LAUNCHER_DIR
+    ldir.mkdir(parents=True, exist_ok=True)
+    config_path = ldir / "config.yaml"
+    OmegaConf.save(job.cfg, config_path, resolve=True)
+    host = job.cfg.run.store_host or default_store_host()
+    with serve_store(host) as store:
+        env = job_env(job, store)
+        cmd = job_command(job, config_path, env)
+        knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
+                         ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS", "RECOVER_HSDP_SHARD_TIMEOUT_S"))
+        (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
+        print(f"[{PROG}] run directory {run_dir}", flush=True)
+        print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
+        outcome = run_job(cmd, env, log_path=ldir / "output.log",
+                          time_limit_s=job.cfg.run.time_limit_s)
+    res = judge_run(job, outcome.wall_s, outcome.stopped)
+    if outcome.stopped == "time_limit" and not res.note:
+        res.note = f"stopped by run.time_limit_s={job.cfg.run.time_limit_s}"
+    if res.status != "ok" and not res.note:
+        res.note = f"mpirun exit code {outcome.returncode}; see {ldir / 'output.log'}"
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} s"
+
+
+def format_summary(res: JobResult) -> str:
+    tps = "-" if res.tokens_per_s is None else f"{res.tokens_per_s:,.0f} tokens/s"
+    alive = f" (replicas alive: {res.replicas_alive})" if res.replicas_alive else ""
+    lines = [
+        f"[{PROG}] {res.status.upper()}: {res.job.label}",
+        f"  steps committed    {res.steps_committed}/{res.steps_expected}",
+        f"  failures survived  {res.failures_survived}{alive}",
+        f"  wall time          {_fmt_s(res.wall_time_s)} (launcher, start-up included: "
+        f"{_fmt_s(res.launcher_wall_s)})",
+        f"  throughput         {tps} (committed tokens / run wall time; {res.tokens:,} tokens)",
+        f"  run directory      {res.job.run_dir}",
+    ]
+    if res.status == "ok":
+        lines.append(f"  check it           recover-hsdp verify {res.job.run_dir}")
+    if res.note:
+        lines.append(f"  note               {res.note}")
+    return "\n".join(lines)
+
+
+def format_table(results: Sequence[JobResult]) -> str:
+    head = ["job", "overrides", "status", "steps", "failures", "wall_s", "tok/s", "run_dir"]
+    rows = [[str(r.job.index), r.job.label, r.status, f"{r.steps_committed}/{r.steps_expected}",
+             str(r.failures_survived),
+             "-" if r.wall_time_s is None else f"{r.wall_time_s:.1f}",
+             "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}", str(r.job.run_dir)]
+            for r in results]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in [head] + rows)
+
+
+def overall_exit(results: Sequence[JobResult]) -> int:
+    codes = [r.exit_code for r in results]
+    if EXIT_INTERRUPTED in codes:
+        return EXIT_INTERRUPTED
+    if not codes or all(c == EXIT_OK for c in codes):
+        return EXIT_OK
+    return EXIT_TIME_LIMIT if all(c in (EXIT_OK, EXIT_TIME_LIMIT) for c in codes) else EXIT_FAILED
+
+
+def run_jobs(jobs: Sequence[Job], *, sweep: bool) -> int:
+    why = check_worker_available()
+    if why:
+        _err(why)
+        return EXIT_FAILED
+    results = []
+    for job in jobs:
+        if sweep:
+            print(f"[{PROG}] job {job.index + 1}/{len(jobs)}: {job.label}", flush=True)
+        res = launch_job(job)
+        results.append(res)
+        print(format_summary(res), flush=True)
+        if res.status == "interrupted":
+            break
+    if sweep:
+        print(f"\n[{PROG}] sweep: {len(results)}/{len(jobs)} jobs run", flush=True)
+        print(format_table(results), flush=True)
+    return overall_exit(results)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker (inside each MPI rank)
+# ---------------------------------------------------------------------------------------------
+def load_worker_fn():
+    spec = worker_fn_spec()
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise RuntimeError(f"{module_name} is not available in this tree: the training "
+                               f"manager (run_worker) is not written yet") from None
+        raise
+    fn = getattr(module, attr or "run_worker", None)
+    if fn is None:
+        raise RuntimeError(f"{module_name} has no {attr or 'run_worker'}(cfg) yet")
+    return fn
+
+
+def worker_main(path: str) -> int:
+    """Inside a rank: load the resolved config, check the world size, run the trainer.
+
+    The launcher validated everything else before mpirun started; the worker re-checks only what
+    can differ from the launcher's view (the ranks actually launched), without importing torch.
+    """
+    from recover_hsdp.config import TrainConfigError, check_world, load_config
+
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "?"))
+    world = os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
+    try:
+        cfg = load_config(path)
+        check_world(cfg, int(world) if world else None)
+        fn = load_worker_fn()
+    except (TrainConfigError, RuntimeError) as e:
+        print(f"{PROG} --worker [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    return int(fn(cfg) or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        flags = parse_args(argv)
+    except UsageError as e:
+        _err(f"{e}\n{USAGE}")
+        return EXIT_CONFIG
+    if flags.help:
+        print(USAGE)
+        return EXIT_OK
+    if flags.worker is not None:
+        return worker_main(flags.worker)
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        _err("started inside an MPI job: `recover-hsdp train` launches mpirun itself (run it "
+             "outside mpirun; ranks run `python -m recover_hsdp.train --worker FILE`)")
+        return EXIT_CONFIG
+
+    from recover_hsdp.config import TrainConfigError
+
+    try:
+        jobs = prepare_jobs(flags.overrides, multirun=flags.multirun)
+    except TrainConfigError as e:
+        _err(str(e))
+        return EXIT_CONFIG
+    if flags.print_config or flags.dry_run:
+        from omegaconf import OmegaConf
+
+        for job in jobs:
+            if flags.multirun:
+                print(f"# job {job.index}: {job.label}")
+            if flags.print_config:
+                print(OmegaConf.to_yaml(job.cfg, resolve=True), end="")
+            if flags.dry_run:
+                env = job_env(job, "<host:port>")
+                cfg_path = job.run_dir / LAUNCHER_DIR / "config.yaml"
+                print(f"# run directory: {job.run_dir}")
+                print(f"RECOVER_HSDP_STORE=<served by the launcher> OMP_NUM_THREADS="
+                      f"{env['OMP_NUM_THREADS']} RECOVER_HSDP_SHARD_TIMEOUT_S="
+                      f"{env['RECOVER_HSDP_SHARD_TIMEOUT_S']} "
+                      f"{shlex.join(job_command(job, cfg_path, env))}")
+        return EXIT_OK
+    return run_jobs(jobs, sweep=flags.multirun)
+
+
+def _hydra_task(cfg) -> None:
+    """Body of ``hydra_app``: one job from the config Hydra composed (same checks and launch)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from recover_hsdp.config import TrainConfigError, resolve_config, validate
+
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:
+        overrides = []
+    try:
+        resolved = resolve_config(cfg)
+        job = Job(None, overrides, [], resolved, validate(resolved))
+        if holds_run(job.run_dir) and not resolved.run.overwrite:
+            raise TrainConfigError(f"run.output_dir({str(job.run_dir)!r}) already holds a run: "
+                                   f"choose another or set run.overwrite=true")
+    except TrainConfigError as e:
+        _err(str(e))
+        raise SystemExit(EXIT_CONFIG) from None
+    rc = run_jobs([job], sweep=False)
+    if rc:
+        raise SystemExit(rc)
+
+
+def __getattr__(name: str):
+    # `from recover_hsdp.train import hydra_app` builds the @hydra.main app on first use, so the
+    # worker path (python -m recover_hsdp.train --worker) does not import Hydra's app machinery.
+    if name == "hydra_app":
+        import hydra
+
+        from recover_hsdp.config import CONF_DIR, CONFIG_NAME, register_configs
+
+        register_configs()
+        app = hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME,
+                         version_base="1.3")(_hydra_task)
+        globals()["hydra_app"] = app
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
