@@ -1,0 +1,567 @@
+"""StepTxnOrchestrator: the per-iteration transaction of ReCoVer (paper appendix C, D.2-D.3).
+
+The invariant it keeps: a COMMIT verdict means every bucket of this rank holds the sum, over ONE
+membership of the cross-replica group, of exactly the contributions the policy assigns to this
+iteration, and every survivor got the same verdict with the same sums. Steps are never skipped or
+replayed; failures are recorded and repaired in place.
+
+How (docs/recovery.md has the call sequence and the state diagram):
+
+* Each bucket is snapshotted (S(b), tagged with the group epoch) right before its reduction, so a
+  bucket whose content became stale can be rewound to this replica's own accumulation.
+* A bucket is stale unless its last reduction completed cleanly under the CURRENT epoch: reduced
+  under an older membership, or `reduce_failed` (content undefined; the failure surfaces at the
+  next Detect on the group, possibly only at the consensus).
+* `handle_work_completion(result, bucket)` is the single entry point for collective outcomes
+  (algorithm 4): success marks the bucket reduced under the epoch; a failure record becomes a
+  FailureEvent for the policy, the decision's roles are pushed to the group, a boundary quiesces
+  the group, the restore mode is latched (max of SKIP < BLOCKING < NON_BLOCKING).
+* `consensus()` runs algorithm 5 until the iteration either commits (COMMIT) or needs the
+  boundary extension microbatches (EXTEND): BLOCKING rewinds and re-reduces every stale bucket
+  (a failure inside re-enters failure handling: retried if a spare absorbed it, the boundary path
+  if not), NON_BLOCKING rewinds (overlapped with the extension's forward) and clears the
+  bookkeeping so the extension pass re-snapshots and re-reduces every bucket.
+* Case (b): a failure seen only at the consensus after every bucket was reduced under the old
+  membership commits as is (SKIP); the policy learns of it through note_failure_after_commit and
+  applies it after the commit. Because a `reduce_failed` on the LAST bucket is not uniform (some
+  survivors hold the sum, others garbage), case (b) needs agreement: the group's own
+  (`result.all_clean`, provided by the HSDP cross-replica group) or, for a plain group, a vote
+  plus a broadcast of the last bucket from a survivor that holds it (`_case_b_window`).
+
+The group is duck-typed (UlfmGroup or a fake): allreduce, consensus, set_quiesce, set_roles,
+set_contributed, epoch, rank, size, global_ranks; optionally broadcast (case-(b) repair),
+begin_pass() and consensus results carrying all_clean / failed_replicas (HSDP cross-replica group).
+Nothing here imports the collectives package.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from recover_hsdp.policy import FailureEvent, PolicyDecision, RestoreMode
+from recover_hsdp.recovery.snapshots import Bucket, Content, Rewinder, SnapshotStore
+
+
+class RecoveryProtocolError(RuntimeError):
+    """The transaction reached a state the protocol says is impossible (a bug in a layer below,
+    or an integration that calls the orchestrator out of order). Never raised for peer failures."""
+
+
+class Verdict(enum.Enum):
+    """What the integration does after `consensus()`."""
+
+    COMMIT = "commit"  # divide by policy.divisor(), optimizer step, data.commit, after_successful_commit()
+    EXTEND = "extend"  # run microbatches up to policy.steps(), enqueue + fire + consensus again
+
+
+_RANK = {None: 0, RestoreMode.SKIP: 1, RestoreMode.BLOCKING: 2, RestoreMode.NON_BLOCKING: 3}
+
+
+def _max_mode(a: Optional[RestoreMode], b: Optional[RestoreMode]) -> Optional[RestoreMode]:
+    return a if _RANK[a] >= _RANK[b] else b
+
+
+@dataclass
+class TxnStats:
+    """Counters over the orchestrator's lifetime (benchmarks, tests, logs)."""
+
+    iterations: int = 0
+    failures: int = 0              # failure records handled (each may name several replicas)
+    case_b: int = 0                # iterations committed through case (b)
+    blocking_restores: int = 0     # blocking re-reduce passes
+    extensions: int = 0            # NON_BLOCKING dispatches
+    re_reduces: int = 0            # bucket reductions issued by a blocking restore
+    reduces: int = 0               # bucket allreduce calls that moved data or failed doing so
+    quiesced_reduces: int = 0
+    snapshot_s: float = 0.0        # wall time spent copying b -> S(b)
+    rewind_s: float = 0.0          # wall time spent launching/doing rewinds (sync part)
+
+
+@dataclass
+class IterationLog:
+    """What happened in the current/last iteration (for the manager's step record)."""
+
+    modes: list[str] = field(default_factory=list)      # restore modes applied, in order
+    failures: list[dict] = field(default_factory=list)  # one dict per failure record
+    case_b: bool = False
+    passes: int = 0
+
+
+class StepTxnOrchestrator:
+    """Per-iteration transaction over one cross-replica group (see the module docstring).
+
+    group: UlfmGroup-like handle. policy: StaticWorldPolicy / AdaptiveWorldPolicy (this rank's
+    replica of the replicated policy state). replica_of_rank(global_rank) -> replica id.
+    restore_enabled=False is the debug switch that skips every rewind (and the discard zeroing):
+    committed gradients are then WRONG after a failure inside synchronisation, which the tests
+    and `recover-hsdp verify` must detect.
+    rewind: "auto" | "copy" | "thread" | "cuda" (NON_BLOCKING engine; blocking rewinds are always
+    synchronous). gate: called before every consensus (the replica-consistency barrier on the shard
+    group when the group itself does not run it). log: optional callable(str).
+    """
+
+    def __init__(self, group: Any, policy: Any, replica_of_rank: Callable[[int], int], *,
+                 restore_enabled: bool = True, rewind: str = "auto",
+                 gate: Optional[Callable[[], None]] = None,
+                 log: Optional[Callable[[str], None]] = None) -> None:
+        self.group = group
+        self.policy = policy
+        self.replica_of_rank = replica_of_rank
+        self.restore_enabled = bool(restore_enabled)
+        self.gate = gate
+        self.log = log or (lambda s: None)
+        self.replica = int(replica_of_rank(group.global_ranks[group.rank]))
+        self.store = SnapshotStore()
+        self.rewinder = Rewinder(rewind)
+        self.stats = TxnStats()
+        self.iteration_log = IterationLog()
+        # per-iteration state
+        self._queue: list[int] = []
+        self._enqueued = 0                 # buckets enqueued in the current pass
+        self._n_buckets: Optional[int] = None  # buckets in this iteration (fixed by the 1st pass)
+        self._latch: Optional[RestoreMode] = None
+        self._discard = False              # this replica is in a decision's `discarded`
+        self._extension = False            # NON_BLOCKING dispatched, extension pass not fired yet
+        self._computed: Optional[int] = None  # microbatches computed this iteration (note_microbatch)
+        self._last_data_bucket: Optional[int] = None  # last bucket whose reduce moved data / failed
+        self._in_iteration = False
+        self._vote = torch.zeros(max(1, int(group.size)), dtype=torch.float32)
+
+    # ---- public state --------------------------------------------------------------------------
+    @property
+    def restore_mode(self) -> Optional[RestoreMode]:
+        """The latched restore mode of this iteration (None: no failure handled, nothing pending).
+        BLOCKING becomes SKIP once the re-reduce pass has been issued (algorithm 5, line 13)."""
+        return self._latch
+
+    def needs_extension(self) -> bool:
+        """True between a NON_BLOCKING dispatch and the extension pass's fire."""
+        return self._extension
+
+    def snapshot_nbytes(self) -> int:
+        """Extra memory the recovery layer holds: exactly one copy of the enqueued buckets."""
+        return self.store.nbytes()
+
+    # ---- the call sequence -------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """Start a transaction: clear the per-iteration state and push roles (and contributed=0)."""
+        self.rewinder.wait()
+        self._queue.clear()
+        self._enqueued = 0
+        self._n_buckets = None
+        self._latch = None
+        self._discard = False
+        self._extension = False
+        self._computed = None
+        self._last_data_bucket = None
+        for b in self.store:
+            b.content = Content.LOCAL
+            b.snap_valid = False
+            b.epoch = -1
+        self.iteration_log = IterationLog()
+        if getattr(self.group, "quiesced", False):
+            self.group.set_quiesce(False)
+        self._push_roles()
+        self.group.set_contributed(0)
+        self._in_iteration = True
+
+    def note_microbatch(self, computed: int) -> None:
+        """Optional progress report: `computed` microbatches of this iteration are done (forward
+        and backward). Pushes the honest contribution count to the group."""
+        self._computed = int(computed)
+        self.group.set_contributed(self.policy.kept_before(self.replica, self._computed))
+
+    def wait_restore_before_backward(self) -> None:
+        """Call before the first backward of an extension pass (cheap otherwise): the rewound
+        buckets must be in place before new gradients accumulate on top of them."""
+        self.rewinder.wait()
+
+    def enqueue_bucket(self, tensor: torch.Tensor) -> int:
+        """Queue one bucket (in HSDP: one flat-parameter grad shard) for the deferred reduction.
+
+        Enqueue the same buckets in the same order in every pass of an iteration. Returns the
+        bucket's index. No collective here: the reduction happens in fire_deferred_allreduces().
+        """
+        self._require_iteration("enqueue_bucket")
+        self.rewinder.wait()
+        i = self._enqueued
+        if self._n_buckets is not None and i >= self._n_buckets:
+            raise RecoveryProtocolError(
+                f"enqueue_bucket: bucket {i} but this iteration's first pass had {self._n_buckets}")
+        if i < len(self.store) and self._n_buckets is not None:
+            old = self.store[i].tensor
+            if old.shape != tensor.shape or old.dtype != tensor.dtype:
+                raise RecoveryProtocolError(
+                    f"enqueue_bucket: bucket {i} changed from {tuple(old.shape)}/{old.dtype} to "
+                    f"{tuple(tensor.shape)}/{tensor.dtype} within one iteration")
+        b = self.store.bind(i, tensor)
+        if self._n_buckets is None:
+            b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
+        self._enqueued += 1
+        self._queue.append(i)
+        return i
+
+    def fire_deferred_allreduces(self) -> None:
+        """Drain the deferred queue: snapshot each bucket, then reduce it on the group."""
+        self._require_iteration("fire_deferred_allreduces")
+        self.rewinder.wait()
+        if self._n_buckets is None:
+            self._n_buckets = self._enqueued
+        elif self._enqueued != self._n_buckets:
+            raise RecoveryProtocolError(
+                f"fire_deferred_allreduces: {self._enqueued} buckets enqueued, this iteration has "
+                f"{self._n_buckets}")
+        # the microbatch loop is done: every replica computed steps() (the sync point at which the
+        # policy accepts failure events); the census must count exactly what was kept so far
+        self._computed = self.policy.steps()
+        self.group.set_contributed(self.policy.kept_before(self.replica, self._computed))
+        self._extension = False
+        self._begin_pass()
+        queue, self._queue, self._enqueued = self._queue, [], 0
+        for i in queue:
+            self._reduce_bucket(i)
+
+    def handle_work_completion(self, result: Any, bucket: Optional[int]) -> None:
+        """The unified entry point for the outcome of a collective (algorithm 4).
+
+        bucket: the bucket index the result belongs to, None for a consensus.
+        ok: the bucket is reduced under the result's epoch. quiesced: nothing happened (the
+        bucket keeps its local content). reduce_failed: the bucket's content is undefined, no
+        record yet (it surfaces at the next Detect). ok=False with a record: no reduction took
+        place; the failure goes to the policy, and the decision is installed.
+        """
+        if bucket is not None:
+            b = self.store[bucket]
+            if getattr(result, "quiesced", False):
+                self.stats.quiesced_reduces += 1
+                return
+            if result.ok:
+                b.content, b.epoch = Content.REDUCED, int(result.epoch)
+                self._last_data_bucket = bucket
+                return
+            if getattr(result, "reduce_failed", False):
+                b.content, b.epoch = Content.UNDEFINED, int(self.group.epoch)
+                self._last_data_bucket = bucket
+                self.log(f"replica {self.replica}: bucket {bucket} reduce failed (undefined)")
+                return
+            # a repair in Detect: no reduction happened, the bucket still holds local content
+        elif result.ok:
+            return
+        elif getattr(result, "reduce_failed", False):
+            raise RecoveryProtocolError("a consensus result with reduce_failed")
+        self._on_failure(result, where="consensus" if bucket is None else f"bucket {bucket}")
+
+    def consensus(self) -> Verdict:
+        """Algorithms 4-5 until the iteration commits or needs its extension pass.
+
+        Runs the gate and the group's consensus (only when no restoration is pending), dispatches
+        on the latched restore mode: BLOCKING rewinds and re-reduces the stale buckets and
+        confirms with another consensus; NON_BLOCKING starts the rewind and returns EXTEND.
+        """
+        self._require_iteration("consensus")
+        if self._queue:
+            raise RecoveryProtocolError(
+                f"consensus with {len(self._queue)} enqueued buckets not fired")
+        if self._n_buckets is None:
+            raise RecoveryProtocolError("consensus before the first fire_deferred_allreduces")
+        while True:
+            if self._latch is RestoreMode.NON_BLOCKING:
+                self._start_extension()
+                return Verdict.EXTEND
+            if self._latch is RestoreMode.BLOCKING:
+                self._blocking_restore()
+                continue
+            epoch_before = int(self.group.epoch)
+            if self.gate is not None:
+                self.gate()
+            res = self.group.consensus()
+            if res.ok:
+                undefined = [b.index for b in self.store if b.content is Content.UNDEFINED]
+                if undefined:
+                    raise RecoveryProtocolError(
+                        f"consensus passed while buckets {undefined} failed their reduction here "
+                        "(a failed reduce must revoke the group)")
+                epoch = int(self.group.epoch)
+                stale = [b.index for b in self._buckets() if not b.reduced_at(epoch)]
+                if stale:  # epoch moved with no record naming a loss: re-reduce, uniformly
+                    self._latch = RestoreMode.BLOCKING
+                    continue
+                self.iteration_log.modes.append(RestoreMode.SKIP.value)
+                return Verdict.COMMIT
+            if self._try_case_b(res, epoch_before):
+                return Verdict.COMMIT
+            # the failure went to the policy: a mode is latched; dispatch on it
+
+    def after_successful_commit(self) -> None:
+        """After optimizer.step() and DataAssignment.commit(policy): policy advance (algorithm 7 if
+        a boundary was crossed, case-(b) failures applied), roles and contribution counter pushed
+        to the group, latches cleared."""
+        self.rewinder.wait()
+        self.policy.after_commit()
+        if getattr(self.group, "quiesced", False):
+            self.group.set_quiesce(False)
+        self._push_roles()
+        self.group.set_contributed(0)
+        self._latch = None
+        self._extension = False
+        self._discard = False
+        self._in_iteration = False
+        self.stats.iterations += 1
+
+    def close(self) -> None:
+        self.rewinder.close()
+
+    # ---- internals: reductions -----------------------------------------------------------------
+    def _buckets(self) -> list[Bucket]:
+        return self.store.buckets[: self._n_buckets or 0]
+
+    def _begin_pass(self) -> None:
+        self.iteration_log.passes += 1
+        self._last_data_bucket = None
+        begin = getattr(self.group, "begin_pass", None)
+        if begin is not None:
+            begin()
+
+    def _reduce_bucket(self, i: int) -> None:
+        b = self.store[i]
+        epoch = int(self.group.epoch)
+        if b.reduced_at(epoch):
+            return
+        if b.content is not Content.LOCAL:
+            # stale (reduced under an older membership, or undefined): back to the local content
+            t0 = time.perf_counter()
+            if self.restore_enabled:
+                self.rewinder.run_sync([(b.tensor, b.snap)])
+            self.stats.rewind_s += time.perf_counter() - t0
+            b.content = Content.LOCAL
+        t0 = time.perf_counter()
+        self.store.snapshot(b, epoch)  # before the collective (a spare is zeroed inside it)
+        self.stats.snapshot_s += time.perf_counter() - t0
+        res = self.group.allreduce(b.tensor)
+        if not getattr(res, "quiesced", False):
+            self.stats.reduces += 1
+        self.handle_work_completion(res, i)
+
+    def _blocking_restore(self) -> None:
+        """Algorithm 5, BLOCKING: rewind every stale bucket and re-reduce it under the current
+        epoch. A failure inside is handled on the spot: non-boundary -> the latch is BLOCKING again
+        and the caller retries; boundary -> NON_BLOCKING, the loop stops (the extension pass will
+        re-reduce everything)."""
+        self._latch = RestoreMode.SKIP
+        self.iteration_log.modes.append(RestoreMode.BLOCKING.value)
+        self.stats.blocking_restores += 1
+        if getattr(self.group, "quiesced", False):
+            self.group.set_quiesce(False)
+        self._begin_pass()
+        for b in self._buckets():
+            if self._latch is RestoreMode.NON_BLOCKING:
+                break
+            if b.reduced_at(int(self.group.epoch)):
+                continue
+            self.stats.re_reduces += 1
+            self._reduce_bucket(b.index)
+
+    def _start_extension(self) -> None:
+        """Algorithm 5, NON_BLOCKING: rewind (or zero, for a discarded spare) every bucket whose
+        content is no longer local, overlapped with the extension's forward; clear the bookkeeping
+        so the extension pass snapshots and reduces every bucket afresh."""
+        copies, zeros = [], []
+        for b in self._buckets():
+            if self._discard:
+                zeros.append(b.tensor)
+            elif b.content is not Content.LOCAL:
+                copies.append((b.tensor, b.snap))
+            b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
+        if getattr(self.group, "quiesced", False):
+            self.group.set_quiesce(False)
+        t0 = time.perf_counter()
+        engine = "off"
+        if self.restore_enabled:
+            engine = self.rewinder.start(copies, zeros)
+        self.stats.rewind_s += time.perf_counter() - t0
+        self.log(f"replica {self.replica}: NON_BLOCKING rewind of {len(copies)} buckets, "
+                 f"{len(zeros)} zeroed ({engine})")
+        self.iteration_log.modes.append(RestoreMode.NON_BLOCKING.value)
+        self.stats.extensions += 1
+        self._latch = None
+        self._discard = False
+        self._extension = True
+        self._last_data_bucket = None
+
+    # ---- internals: failures -------------------------------------------------------------------
+    def _members(self) -> tuple[int, ...]:
+        return tuple(int(self.replica_of_rank(g)) for g in self.group.global_ranks)
+
+    def _push_roles(self) -> None:
+        members = self._members()
+        alive = tuple(self.policy.alive)
+        if tuple(sorted(members)) != alive:
+            raise RecoveryProtocolError(
+                f"group members (replicas {list(members)}) differ from the policy's alive set "
+                f"{list(alive)}")
+        self.group.set_roles([self.policy.role(r) for r in members])
+
+    def _failed_replicas(self, record: Any) -> tuple[int, ...]:
+        named = getattr(record, "failed_replicas", None)
+        if named:
+            return tuple(sorted({int(r) for r in named}))
+        return tuple(sorted({int(self.replica_of_rank(g)) for g in (record.failed_ranks or ())}))
+
+    def _event(self, record: Any, survivors: Sequence[int]) -> FailureEvent:
+        return FailureEvent.from_record(record, self._failed_replicas(record), list(survivors),
+                                        microbatch=self._computed if self._computed is not None
+                                        else self.policy.steps())
+
+    def _log_failure(self, record: Any, where: str, decision: Optional[PolicyDecision],
+                     case_b: bool = False) -> None:
+        self.stats.failures += 1
+        entry = {"where": where, "replicas": list(self._failed_replicas(record)),
+                 "ranks": [int(g) for g in (record.failed_ranks or ())],
+                 "epoch": int(record.epoch), "at_boundary": bool(record.at_boundary),
+                 "mode": decision.restore_mode.value if decision else None, "case_b": case_b}
+        self.iteration_log.failures.append(entry)
+        self.log(f"replica {self.replica}: failure at {where}: {entry}")
+
+    def _on_failure(self, record: Any, where: str) -> None:
+        """Algorithm 4 for one failure record."""
+        if not self._failed_replicas(record):
+            # the membership changed (epoch moved) but nobody we know of was lost: everything
+            # reduced before is stale; re-reduce under the new epoch
+            self._log_failure(record, where, None)
+            self._latch = _max_mode(self._latch, RestoreMode.BLOCKING)
+            return
+        decision = self.policy.on_failure(self._event(record, self._members()))
+        self._log_failure(record, where, decision)
+        self._install(decision)
+
+    def _install(self, decision: PolicyDecision) -> None:
+        # the policy's roles (promotions, or the boundary-minor split) must be in the backend
+        # before its next Record or Reduce
+        self._push_roles()
+        if decision.at_boundary:
+            self.group.set_quiesce(True)  # the rest of this pass would be rolled back anyway
+        if self.replica in tuple(decision.discarded):
+            self._discard = True
+        self._latch = _max_mode(self._latch, decision.restore_mode)
+
+    # ---- internals: case (b) -------------------------------------------------------------------
+    def _complete_under(self, epoch: int) -> bool:
+        """Uniform part of the case-(b) test: every bucket's last reduction was attempted under
+        `epoch` and nothing is pending. Only the last reduced bucket may be undefined here (a
+        failed reduce on an earlier one would have surfaced at the next bucket's Detect)."""
+        if self._latch is not None and self._latch is not RestoreMode.SKIP:
+            return False
+        if self._extension or not self._n_buckets:
+            return False
+        for b in self._buckets():
+            if b.content is Content.REDUCED and b.epoch == epoch:
+                continue
+            if (b.content is Content.UNDEFINED and b.epoch == epoch
+                    and b.index == self._last_data_bucket):
+                continue
+            return False
+        return True
+
+    def _try_case_b(self, res: Any, epoch_before: int) -> bool:
+        """A failure record at the consensus. Commit as is if every survivor holds a sum of every
+        bucket under the pre-failure membership; otherwise hand the failure to the policy."""
+        if not self._complete_under(epoch_before):
+            self._on_failure(res, where="consensus")
+            return False
+        agreed = getattr(res, "all_clean", None)
+        if agreed is not None:  # the group ran the agreement itself (HSDP cross-replica group)
+            if agreed:
+                self._commit_case_b([(res, self._members())])
+                return True
+            self._on_failure(res, where="consensus")
+            return False
+        return self._case_b_window(res)
+
+    def _case_b_window(self, first: Any) -> bool:
+        """Case (b) on a plain group: agree whether somebody holds the old-membership sum of the
+        last reduced bucket, make everybody hold it, confirm with a consensus.
+
+        Every survivor runs the same calls: vote (allreduce of one flag per group rank; a spare's
+        flag is zeroed by the backend, so spares are never picked as source), consensus (makes the
+        vote uniform: a failed reduce anywhere revokes the group), then, unless everybody voted
+        clean, broadcast of the last bucket from the lowest clean rank and a confirming consensus.
+        A failure anywhere restarts the window; the policy hears of nothing until the outcome is
+        known, so the backend's elections in between are exactly the policy's case-(b) chain.
+        If no clean holder is left the window is abandoned: all failures go to the policy as one
+        event and the iteration restores normally (every bucket is stale by then).
+        """
+        events: list[tuple[Any, tuple[int, ...]]] = [(first, self._members())]
+        last_i = self._last_data_bucket
+        last = self.store[last_i if last_i is not None else self._n_buckets - 1]
+        if getattr(self.group, "quiesced", False):
+            self.group.set_quiesce(False)
+        clean = last.content is Content.REDUCED
+
+        def note(r: Any) -> bool:
+            if r.ok or getattr(r, "reduce_failed", False) or getattr(r, "quiesced", False):
+                return r.ok
+            events.append((r, self._members()))
+            return False
+
+        while True:
+            n, me = int(self.group.size), int(self.group.rank)
+            if self._vote.numel() < n:
+                self._vote = torch.zeros(n, dtype=torch.float32)
+            vote = self._vote[:n]
+            vote.zero_()
+            vote[me] = 1.0 if clean else 0.0
+            voted = note(self.group.allreduce(vote))
+            if not note(self.group.consensus()) or not voted:
+                continue
+            sources = [i for i, v in enumerate(vote.tolist()) if v > 0.5]
+            if len(sources) == n:
+                break  # everybody holds the sum (and nobody was zeroed: no spare present)
+            if not sources or not hasattr(self.group, "broadcast"):
+                self._abandon_case_b(events)
+                return False
+            src = sources[0]
+            r = self.group.broadcast(last.tensor, src)
+            if r.ok:
+                clean = True
+            elif getattr(r, "reduce_failed", False):
+                clean = clean and me == src  # a broadcast root's buffer is only read
+            moved = note(r)
+            if not note(self.group.consensus()) or not moved:
+                continue
+            break
+        last.content = Content.REDUCED  # the old-membership sum again (its epoch tag unchanged)
+        self._commit_case_b(events)
+        return True
+
+    def _commit_case_b(self, events: Sequence[tuple[Any, Sequence[int]]]) -> None:
+        for rec, survivors in events:
+            decision = self.policy.note_failure_after_commit(self._event(rec, survivors))
+            self._log_failure(rec, "consensus", decision, case_b=True)
+        self._latch = RestoreMode.SKIP
+        self.iteration_log.case_b = True
+        self.iteration_log.modes.append(RestoreMode.SKIP.value)
+        self.stats.case_b += 1
+
+    def _abandon_case_b(self, events: Sequence[tuple[Any, Sequence[int]]]) -> None:
+        """Nobody holds the old sum any more: treat everything seen as one failure at this
+        synchronisation point (the backend reads several repairs in one call the same way)."""
+        if len(events) == 1:
+            self._on_failure(events[0][0], where="consensus")
+            return
+        failed: set[int] = set()
+        for rec, _ in events:
+            failed.update(self._failed_replicas(rec))
+        event = self.policy.expected_event(sorted(failed), epoch=int(self.group.epoch))
+        decision = self.policy.on_failure(event)
+        for rec, _ in events:
+            self._log_failure(rec, "consensus", decision)
+        self._install(decision)
+
+    def _require_iteration(self, what: str) -> None:
+        if not self._in_iteration:
+            raise RecoveryProtocolError(f"{what} outside an iteration: call begin_iteration()")
+
