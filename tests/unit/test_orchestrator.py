@@ -61,9 +61,9 @@ class Sim:
 
 def simulate(w: int, g: int, *, kills=(), iterations: int = 2, policy: str = "static",
              prefail=(), restore_enabled: bool = True, rewind: str = "copy",
-             hsdp_style: bool = False, plain: bool = False, expect_all_fired: bool = True
-             ) -> Sim:
-    world = FakeWorld(w, kills, dead=prefail, hsdp_style=hsdp_style)
+             hsdp_style: bool = False, plain: bool = False, expect_all_fired: bool = True,
+             timeout: float = 20.0) -> Sim:
+    world = FakeWorld(w, kills, dead=prefail, hsdp_style=hsdp_style, timeout=timeout)
     sim = Sim(world)
     # buckets are preallocated once per replica, before the threads start (grad_of is cached)
     for i in range(4 * w * g * (iterations + 2)):
@@ -497,13 +497,43 @@ def test_fake_reports_collective_sequence_divergence():
 
 
 def test_contributed_counts_pushed_are_honest():
+    """set_contributed tracks policy.kept_before as microbatches complete, is reset after the
+    commit, and never counts extension microbatches before they are computed (the policy also
+    cross-checks every event's contrib: a dishonest census raises EventMismatchError)."""
     sim = simulate(4, 2, iterations=1, kills=[Kill(3, 0, "allreduce", 1)])
-    for r, orch in sim.survivors.items():
+    c = sim.at(0)[0]
+    for r in sim.survivors:
         pushes = sim.world.group(r).contributed_pushes
-        assert max(pushes) == len(sim.at(0)[0].ids.get(r, ())) or r in (0,) or True
-        assert pushes[-1] == 0  # reset after the commit
-    # the policy cross-checks every event's contrib against its own count: a dishonest push
-    # raises EventMismatchError inside simulate; reaching here means every census matched
+        assert pushes[0] == 0 and pushes[-1] == 0
+        # first pass: 1, 2 (and 2 again at fire); extension: kept or not, then reset
+        assert pushes[1:4] == [1, 2, 2]
+        assert max(pushes) == len(c.ids[r])
+
+
+def test_naive_local_case_b_decision_is_caught(monkeypatch):
+    """Negative control: deciding case (b) from the local view alone (no agreement) lets the
+    survivor whose last reduction failed take another path than its peers: the fake must see it."""
+    def naive(self, first):
+        if all(b.content.value == "reduced" for b in self._buckets()):
+            self._commit_case_b([(first, self._members())])
+            return True
+        self._on_failure(first, where="consensus")
+        return False
+
+    monkeypatch.setattr(StepTxnOrchestrator, "_case_b_window", naive)
+    with pytest.raises(FakeProtocolError, match="deadlock|mismatch"):
+        simulate(4, 2, iterations=1, timeout=1.0, kills=[
+            Kill(3, 0, "allreduce", 3, phase="data", reduce_failed_on=(1,))])
+
+
+def test_window_repairs_the_undefined_bucket_by_broadcast():
+    sim = simulate(4, 2, iterations=1, kills=[
+        Kill(3, 0, "allreduce", 3, phase="data", reduce_failed_on=(0,))])
+    check(sim, 0, B=8)
+    # 4 buckets, the consensus that reports the loss, then the window: vote (allreduce of 3
+    # flags), consensus, broadcast from the lowest clean rank, confirming consensus
+    kinds = [k for (_, k, _) in sim.world.calls]
+    assert kinds[4:] == ["consensus", "allreduce", "consensus", "broadcast", "consensus"]
 
 
 # ---- misuse --------------------------------------------------------------------------------------
@@ -551,5 +581,69 @@ def test_snapshot_buffer_follows_a_new_bucket_shape_across_iterations():
     assert orch.store.allocations == 2 and orch.snapshot_nbytes() == 5 * 4
 
 
-def test_restore_mode_property_latches():
-    assert RestoreMode.NON_BLOCKING.value == "non_blocking"
+def test_restore_mode_is_latched_until_dispatch():
+    """restore_mode is BLOCKING right after a non-boundary failure (before consensus() runs the
+    restoration), NON_BLOCKING after a boundary one; SKIP/None once restored and committed."""
+    world = FakeWorld(3, [Kill(2, 0, "allreduce", 0)])
+    seen = {}
+
+    def body(r):
+        pol = StaticWorldPolicy(3, 1)
+        orch = StepTxnOrchestrator(world.group(r), pol, lambda x: x)
+        orch.begin_iteration()
+        t = torch.ones(4)
+        orch.enqueue_bucket(t)
+        orch.fire_deferred_allreduces()
+        seen[r] = [orch.restore_mode]
+        assert orch.consensus() is Verdict.EXTEND and orch.needs_extension()
+        seen[r].append(orch.restore_mode)
+        orch.wait_restore_before_backward()
+        orch.enqueue_bucket(t)
+        orch.fire_deferred_allreduces()
+        assert not orch.needs_extension()
+        assert orch.consensus() is Verdict.COMMIT
+        orch.after_successful_commit()
+        seen[r].append(orch.restore_mode)
+
+    run_threads(world, body)
+    assert seen[0] == seen[1] == [RestoreMode.NON_BLOCKING, None, None]
+
+
+def test_mid_reduce_failure_of_the_last_rereduced_bucket_is_case_b():
+    # pass 1: 0 dies at #2 (spare 3 promoted); blocking re-reduce of buckets 0-2 = #4 #5 #6;
+    # 1 dies inside #6's data phase (replica 2 fails, 3 and 4 succeed): the loss shows only at
+    # the consensus, every bucket was reduced under the post-repair membership -> case (b)
+    sim = simulate(6, 1, prefail=(5,), kills=[
+        Kill(0, 0, "allreduce", 2),
+        Kill(1, 0, "allreduce", 6, phase="data", reduce_failed_on=(2,))])
+    c = check(sim, 0, B=6)
+    assert c.case_b and c.modes[0] == "blocking" and 1 in c.ids
+    check(sim, 1, B=6)
+
+
+# ---- random kill schedules ----------------------------------------------------------------------
+
+def _random_schedule(seed: int):
+    import random
+
+    rnd = random.Random(seed)
+    w, g = rnd.randint(3, 6), rnd.randint(1, 3)
+    prefail = (w - 1,) if rnd.random() < 0.4 else ()
+    alive = [r for r in range(w) if r not in prefail]
+    victims = rnd.sample(alive, rnd.randint(1, len(alive) - 1))
+    kills = []
+    for v in victims:
+        at = rnd.choice(["compute", "allreduce", "allreduce", "allreduce", "consensus"])
+        phase = rnd.choice(["before", "before", "data", "record"]) if at == "allreduce" else "before"
+        kills.append(Kill(v, rnd.randint(0, 2), at, rnd.randint(0, 7 if at != "consensus" else 2),
+                          phase=phase))
+    return w, g, prefail, kills, rnd.random() < 0.3
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_kill_schedules(seed):
+    w, g, prefail, kills, hsdp = _random_schedule(seed)
+    sim = simulate(w, g, prefail=prefail, kills=kills, iterations=3, hsdp_style=hsdp,
+                   expect_all_fired=False)
+    for it in range(3):
+        check(sim, it, B=w * g)
