@@ -55,8 +55,11 @@ DEFAULT_OPTIM: dict[str, Any] = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
 
 
 def tiny_model_config(vocab_size: int = 4096, **overrides) -> ModelConfig:
-    """A llama_debug-like decoder small enough for unit tests on 2 cores (~0.15 M params)."""
-    base = dict(name="verify_tiny", vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2,
+    """A llama_debug-like decoder small enough for unit tests on 2 cores (~0.14 M params).
+
+    d_model 30 makes the norm weights 30 elements long, so the FSDP-like layout has alignment
+    padding inside the flat parameters (what PARAM_PADDING_VALUE is about)."""
+    base = dict(name="verify_tiny", vocab_size=vocab_size, d_model=30, n_layers=2, n_heads=3,
                 n_kv_heads=1, ffn_dim=64, max_seq_len=64)
     base.update(overrides)
     return ModelConfig(**base)
