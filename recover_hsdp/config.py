@@ -500,33 +500,31 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
         if key not in ROOT_KEYS:
             raise TrainConfigError(f"{key}: unknown key (top-level keys: "
                                    f"{', '.join(ROOT_KEYS)})")
-    parts = {}
-    components = untyped_groups()
-    for group in GROUP_ORDER:
-        cls = TYPED_GROUPS.get(group) or components[group]
-        parts[group] = _typed(group, cls, cfg[group] if group in cfg else {})
+    # the typed groups and what needs only them (no torch import: recover_hsdp.model and
+    # recover_hsdp.data import it in their package __init__)
+    parts = {g: _typed(g, TYPED_GROUPS[g], cfg[g] if g in cfg else {}) for g in TYPED_GROUPS}
     par: ParallelConfig = parts["parallel"]
     run: RunConfig = parts["run"]
     optim: OptimConfig = parts["optim"]
-    model = parts["model"]
-    data = parts["data"]
-    failures = parts["failures"]
-
     _check_ranks(par, run, world_size)
     # B = W_init * G_init must be reachable by the policy (it builds the initial layout)
+    policy = parts["policy"].name
     try:
         from recover_hsdp.policy import AdaptiveWorldPolicy, StaticWorldPolicy
 
-        cls = StaticWorldPolicy if parts["policy"].name == "static" else AdaptiveWorldPolicy
-        cls(par.replicas, par.grad_accum)
-    except ValueError as e:
-        raise TrainConfigError(f"policy.name({parts['policy'].name!r}) cannot reach B = "
-                               f"parallel.replicas({par.replicas}) * parallel.grad_accum"
-                               f"({par.grad_accum}): {_one_line(e)}") from None
-    except RuntimeError as e:   # PolicyError
-        raise TrainConfigError(f"policy.name({parts['policy'].name!r}) cannot reach B = "
-                               f"parallel.replicas({par.replicas}) * parallel.grad_accum"
-                               f"({par.grad_accum}): {_one_line(e)}") from None
+        (StaticWorldPolicy if policy == "static" else AdaptiveWorldPolicy)(par.replicas,
+                                                                           par.grad_accum)
+    except (ValueError, RuntimeError) as e:   # PolicyError is a RuntimeError
+        raise TrainConfigError(f"policy.name({policy!r}) cannot reach B = parallel.replicas"
+                               f"({par.replicas}) * parallel.grad_accum({par.grad_accum}): "
+                               f"{_one_line(e)}") from None
+    # the component groups
+    components = untyped_groups()
+    for group in ("model", "data", "failures"):
+        parts[group] = _typed(group, components[group], cfg[group] if group in cfg else {})
+    model = parts["model"]
+    data = parts["data"]
+    failures = parts["failures"]
     # sequence length and microbatch: parallel is the authority, data mirrors it
     if par.seq_len > model.max_seq_len:
         raise TrainConfigError(f"parallel.seq_len({par.seq_len}) must be <= model.max_seq_len"

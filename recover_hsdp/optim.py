@@ -14,8 +14,10 @@ optimizer step, so a replay in one process reproduces the run exactly.
   - warm-up, ``s < warmup_steps``: ``lr * (s + 1) / warmup_steps``. Step 0 gets
     ``lr / warmup_steps`` (never 0: a zero-lr step would be a wasted step), step
     ``warmup_steps - 1`` gets the full ``lr``. ``warmup_steps = 0``: no warm-up.
-  - cosine, ``warmup_steps <= s``: from ``lr`` at ``s = warmup_steps`` down to
-    ``min_lr_ratio * lr`` at ``s = total_steps - 1`` (the last step of the run), then held there.
+  - cosine, ``warmup_steps <= s < total_steps``: from ``lr`` at ``s = warmup_steps`` down to
+    ``min_lr_ratio * lr`` at ``s = total_steps - 1`` (the last step of the run); a step past the
+    horizon (``s >= total_steps``) gets ``min_lr_ratio * lr``. If the peak is the last step
+    (``warmup_steps == total_steps - 1``) it keeps the peak.
     ``total_steps = None`` means ``run.steps`` (`recover_hsdp.config.resolve_config` fills it in).
 
 torch is imported only by the functions that need it, so the config layer (and the CLI's
@@ -197,9 +199,12 @@ def lr_at(step: int, cfg: Any) -> float:
     min_lr = float(_get(cfg, "min_lr_ratio")) * lr
     if step < warmup:
         return lr * (step + 1) / warmup
-    # progress 0 at the peak (step == warmup), 1 at the last step (total - 1) and after it
+    if step >= total:                  # past the horizon: the floor
+        return min_lr
+    # progress 0 at the peak (step == warmup), 1 at the last step (total - 1); when the peak IS
+    # the last step (warmup == total - 1), the peak wins
     span = total - 1 - warmup
-    progress = min(1.0, (step - warmup) / span) if span > 0 else float(step > warmup)
+    progress = (step - warmup) / span if span > 0 else 0.0
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
