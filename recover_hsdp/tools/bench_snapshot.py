@@ -1,0 +1,409 @@
+"""`recover-hsdp bench snapshot`: what the recovery layer's snapshots and rewinds cost.
+
+Three measurements, medians over --repeat runs, written as JSON (--out, default
+bench/results/snapshot.json):
+
+* machine   the copy bandwidth of this machine: torch `dst.copy_(src)` of --probe-mb MiB fp32
+            (the same primitive the snapshots use), in GB/s of bytes copied.
+* debug     the debug LLaMA (llama_debug, vocab 4096) trained single-process through the real
+            StepTxnOrchestrator on a one-member loopback group (every collective succeeds and
+            moves nothing, so only the recovery layer's own cost is measured). Buckets are one
+            flat fp32 grad buffer per FSDP unit (each decoder block, plus the root: embeddings
+            and final norm), the parameters' .grad being views into them, as with FSDP
+            use_orig_params. Reports the failure-free step time (G microbatches forward+backward,
+            divide, AdamW), the snapshot copy time per iteration and its fraction of the step,
+            the rewind (all buckets) time, the whole orchestration overhead per iteration, and
+            the extra memory (bytes per parameter).
+Times are the MINIMUM over runs (noise on a shared machine only adds time); medians are in the
+JSON next to them. The load average at start and end is recorded.
+
+* shard1b   a LLaMA-1B-shaped local grad shard: LLAMA_1B with --vocab (default 128256, 1.24 B
+            parameters) / --shard-size (default 4) fp32 elements, ONE grad buffer plus its
+            snapshot. Snapshot and rewind times and bandwidths vs the machine's. Its step time
+            cannot be run on a CPU; it is ESTIMATED as 6 * N * tokens-per-rank-per-step /
+            (measured fp32 GEMM throughput), tokens = --mbs * --seq * --grad-accum.
+* overlap   plain copy vs worker thread for the NON_BLOCKING rewind on CPU: rewind the buffer
+            then run a compute stand-in of about the copy's duration (GEMMs), vs the rewind on
+            the rewind worker thread while the same compute runs. For the debug model's buckets
+            (with the real first extension microbatch as compute) and for the 1B shard.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def _times(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def _best_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    """Minimum over `repeat` runs: on a shared machine noise only ever adds time, so the minimum
+    is the closest to the operation's own cost (medians are reported next to it where useful)."""
+    return min(_times(fn, repeat, warmup))
+
+
+def _stat(ts: list[float]) -> dict:
+    return {"min": min(ts), "median": statistics.median(ts), "n": len(ts)}
+
+
+# ---- a one-member group: the orchestrator's own cost, no communication -------------------------
+
+@dataclass(frozen=True)
+class _Result:
+    ok: bool = True
+    quiesced: bool = False
+    reduce_failed: bool = False
+    epoch: int = 0
+    failed_ranks: tuple = ()
+
+
+class LoopbackGroup:
+    """UlfmGroup surface with one member: allreduce of one member is the identity."""
+
+    rank, size, epoch, global_ranks = 0, 1, 0, (0,)
+
+    def __init__(self) -> None:
+        self.quiesced = False
+
+    def set_roles(self, roles) -> None:
+        pass
+
+    def set_contributed(self, n: int) -> None:
+        pass
+
+    def set_quiesce(self, flag: bool) -> None:
+        self.quiesced = bool(flag)
+
+    def allreduce(self, tensor: torch.Tensor) -> _Result:
+        return _Result(quiesced=self.quiesced)
+
+    def consensus(self) -> _Result:
+        return _Result()
+
+
+def machine_copy_gbps(mib: int, repeat: int) -> float:
+    n = mib * (1 << 20) // 4
+    src = torch.empty(n).fill_(1.0)
+    dst = torch.empty(n).fill_(0.0)
+    t = _best_time(lambda: dst.copy_(src), repeat)
+    return n * 4 / t / 1e9
+
+
+def gemm_gflops(repeat: int) -> float:
+    a = torch.randn(512, 2048)
+    w = torch.randn(2048, 8192)
+    t = _best_time(lambda: a @ w, repeat)
+    return 2 * 512 * 2048 * 8192 / t / 1e9
+
+
+# ---- debug model -------------------------------------------------------------------------------
+
+def _flat_buckets(model: torch.nn.Module) -> list[torch.Tensor]:
+    """One flat fp32 grad buffer per FSDP unit; every parameter's .grad a view into it."""
+    units: list[list[torch.nn.Parameter]] = [list(b.parameters()) for b in model.layers]
+    in_blocks = {id(p) for u in units for p in u}
+    units.insert(0, [p for p in model.parameters() if id(p) not in in_blocks])
+    buckets = []
+    for params in units:
+        flat = torch.zeros(sum(p.numel() for p in params))
+        off = 0
+        for p in params:
+            p.grad = flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        buckets.append(flat)
+    return buckets
+
+
+def bench_debug(args, machine_gbps: float) -> dict:
+    from recover_hsdp.model import build_model, get_config, next_token_loss
+    from recover_hsdp.policy import StaticWorldPolicy
+    from recover_hsdp.recovery import StepTxnOrchestrator
+
+    cfg = get_config("llama_debug", vocab_size=4096)
+    model = build_model(cfg, seed=0)
+    buckets = _flat_buckets(model)
+    ptrs = [p.grad.data_ptr() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    G = args.grad_accum
+    batches = [(torch.randint(0, cfg.vocab_size, (args.debug_mbs, args.debug_seq), generator=g),
+                torch.randint(0, cfg.vocab_size, (args.debug_mbs, args.debug_seq), generator=g))
+               for _ in range(G)]
+    orch = StepTxnOrchestrator(LoopbackGroup(), StaticWorldPolicy(1, G), lambda r: 0,
+                               rewind="copy")
+
+    def microbatch(x, y):
+        next_token_loss(model(x), y).backward()
+
+    def step(with_orch: bool) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        t_orch = 0.0
+        if with_orch:
+            a = time.perf_counter()
+            orch.begin_iteration()
+            t_orch += time.perf_counter() - a
+        for b in buckets:
+            b.zero_()
+        for x, y in batches:
+            microbatch(x, y)
+        if with_orch:
+            a = time.perf_counter()
+            for b in buckets:
+                orch.enqueue_bucket(b)
+            orch.fire_deferred_allreduces()
+            orch.consensus()
+            t_orch += time.perf_counter() - a
+        for b in buckets:
+            b.div_(G)
+        opt.step()
+        if with_orch:
+            a = time.perf_counter()
+            orch.after_successful_commit()
+            t_orch += time.perf_counter() - a
+        return time.perf_counter() - t0, t_orch
+
+    for _ in range(2):
+        step(True)
+        step(False)
+    plain, with_o, orch_t, snap_t = [], [], [], []
+    for _ in range(args.steps):  # interleaved, so load changes hit both alike
+        s0 = orch.stats.snapshot_s
+        t, o = step(True)
+        with_o.append(t)
+        orch_t.append(o)
+        snap_t.append(orch.stats.snapshot_s - s0)
+        plain.append(step(False)[0])
+    assert [p.grad.data_ptr() for p in model.parameters()] == ptrs, "grads left their buckets"
+    n_params = sum(p.numel() for p in model.parameters())
+    grad_bytes = sum(b.numel() * 4 for b in buckets)
+    copies = [(b, orch.store[i].snap) for i, b in enumerate(buckets)]
+    rewind_ts = _times(lambda: orch.rewinder.run_sync(copies), args.repeat * 5)
+    rewind = min(rewind_ts)
+    step_s, snap_s, orch_s = min(plain), min(snap_t), min(orch_t)
+    x, y = batches[0]
+
+    def ext_copy():  # NON_BLOCKING dispatch with a plain copy, then the extension microbatch
+        orch.rewinder.run_sync(copies)
+        microbatch(x, y)
+
+    def ext_thread():  # rewind on the worker thread, overlapped with the forward
+        orch.rewinder.mode = "thread"
+        orch.rewinder.start(copies)
+        loss = next_token_loss(model(x), y)
+        orch.rewinder.wait()  # wait_restore_before_backward
+        loss.backward()
+        orch.rewinder.mode = "copy"
+
+    t_copy, t_thread = [], []
+    ext_copy(), ext_thread()
+    for _ in range(args.repeat * 3):
+        t_copy += _times(ext_copy, 1, warmup=0)
+        t_thread += _times(ext_thread, 1, warmup=0)
+    orch.close()
+    return {
+        "model": "llama_debug (vocab 4096)", "params": n_params, "buckets": len(buckets),
+        "grad_accum": G, "microbatch": [args.debug_mbs, args.debug_seq],
+        "torch_threads": torch.get_num_threads(),
+        "note": "*_s = minimum over runs; the *_stats entries give min and median",
+        "step_s": step_s, "step_stats": _stat(plain),
+        "step_with_orchestrator_stats": _stat(with_o),
+        "snapshot_s": snap_s, "snapshot_stats": _stat(snap_t),
+        "snapshot_fraction": snap_s / step_s,
+        "snapshot_fraction_median": statistics.median(snap_t) / statistics.median(plain),
+        "orchestration_s": orch_s, "orchestration_stats": _stat(orch_t),
+        "orchestration_fraction": orch_s / step_s,
+        "orchestration_fraction_median": statistics.median(orch_t) / statistics.median(plain),
+        "rewind_s": rewind, "rewind_stats": _stat(rewind_ts),
+        "snapshot_plus_rewind_fraction": (snap_s + rewind) / step_s,
+        "snapshot_gbps": grad_bytes / snap_s / 1e9 if snap_s else None,
+        "rewind_gbps": grad_bytes / rewind / 1e9, "machine_copy_gbps": machine_gbps,
+        "snapshot_bytes": orch.snapshot_nbytes(), "grad_bytes": grad_bytes,
+        "extra_bytes_per_param": orch.snapshot_nbytes() / n_params,
+        "snapshot_allocations": orch.store.allocations,
+        "nonblocking_copy_then_microbatch_s": min(t_copy),
+        "nonblocking_copy_then_microbatch_stats": _stat(t_copy),
+        "nonblocking_thread_overlapped_s": min(t_thread),
+        "nonblocking_thread_overlapped_stats": _stat(t_thread),
+    }
+
+
+# ---- LLaMA-1B-shaped shard ---------------------------------------------------------------------
+
+def bench_shard(args, machine_gbps: float, gflops: float) -> dict:
+    from recover_hsdp.model.config import LLAMA_1B
+    from recover_hsdp.recovery import Rewinder, SnapshotStore
+
+    n_full = LLAMA_1B.with_vocab(args.vocab).num_params()
+    n = -(-n_full // args.shard_size)
+    grad = torch.empty(n).fill_(1.0)  # touch every page before timing
+    store = SnapshotStore()
+    b = store.bind(0, grad)
+    b.snap.fill_(0.0)
+
+    def snap():
+        b.snap_valid = False
+        store.snapshot(b, 0)
+
+    r = Rewinder("copy")
+    snap_ts = _times(snap, args.repeat)
+    rewind_ts = _times(lambda: r.run_sync([(grad, b.snap)]), args.repeat)
+    snap_s, rewind_s = min(snap_ts), min(rewind_ts)
+    tokens = args.mbs * args.seq * args.grad_accum_1b
+    step_est = 6.0 * n_full * tokens / (gflops * 1e9)
+    nbytes = n * 4
+    overlap = _overlap(grad, b.snap, rewind_s, args.repeat)
+    return {
+        "full_params": n_full, "shard_size": args.shard_size, "shard_params": n,
+        "grad_bytes": nbytes, "snapshot_bytes": store.nbytes(),
+        "extra_bytes_per_param": store.nbytes() / n,
+        "snapshot_s": snap_s, "snapshot_stats": _stat(snap_ts),
+        "rewind_s": rewind_s, "rewind_stats": _stat(rewind_ts),
+        "snapshot_gbps": nbytes / snap_s / 1e9, "rewind_gbps": nbytes / rewind_s / 1e9,
+        "machine_copy_gbps": machine_gbps,
+        "snapshot_vs_machine": nbytes / snap_s / 1e9 / machine_gbps,
+        "step_estimate": {"tokens_per_rank_per_step": tokens, "gemm_gflops": gflops,
+                          "step_s": step_est},
+        "snapshot_fraction_of_estimated_step": snap_s / step_est,
+        "snapshot_plus_rewind_fraction_of_estimated_step": (snap_s + rewind_s) / step_est,
+        **overlap,
+    }
+
+
+def _overlap(dst: torch.Tensor, src: torch.Tensor, copy_s: float, repeat: int) -> dict:
+    """Plain copy then compute, vs copy on the rewind worker thread during the same compute."""
+    from recover_hsdp.recovery import Rewinder
+
+    a, w = torch.randn(512, 2048), torch.randn(2048, 2048)
+    one = _best_time(lambda: a @ w, 3)
+    k = max(1, round(copy_s / one))
+
+    def compute():
+        for _ in range(k):
+            a @ w
+
+    compute_s = _best_time(compute, repeat)
+    plain = Rewinder("copy")
+    thread = Rewinder("thread")
+
+    def seq():
+        plain.run_sync([(dst, src)])
+        compute()
+
+    def par():
+        thread.start([(dst, src)])
+        compute()
+        thread.wait()
+
+    t_seq, t_par = [], []
+    for _ in range(repeat):  # interleaved, so load changes hit both alike
+        t_seq += _times(seq, 1, warmup=0)
+        t_par += _times(par, 1, warmup=0)
+    out = {"overlap_compute_s": compute_s,
+           "nonblocking_copy_then_compute_s": min(t_seq),
+           "nonblocking_copy_then_compute_stats": _stat(t_seq),
+           "nonblocking_thread_overlapped_s": min(t_par),
+           "nonblocking_thread_overlapped_stats": _stat(t_par)}
+    thread.close()
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x * 1e3:9.3f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="recover-hsdp bench snapshot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="debug-model steps measured")
+    p.add_argument("--grad-accum", type=int, default=2, help="debug model G (conf default 2)")
+    p.add_argument("--debug-mbs", type=int, default=4)
+    p.add_argument("--debug-seq", type=int, default=128)
+    p.add_argument("--probe-mb", type=int, default=256, help="MiB copied to measure the machine")
+    p.add_argument("--shard-size", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--mbs", type=int, default=1, help="1B step estimate: sequences/microbatch")
+    p.add_argument("--seq", type=int, default=2048, help="1B step estimate: tokens/sequence")
+    p.add_argument("--grad-accum-1b", type=int, default=8, help="1B step estimate: G")
+    p.add_argument("--no-1b", action="store_true", help="skip the 1B shard (1.2 GB x 2)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--out", default="bench/results/snapshot.json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    machine = machine_copy_gbps(args.probe_mb, args.repeat)
+    gflops = gemm_gflops(3)
+    print(f"# machine: {os.cpu_count()} cpus, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
+    print(f"# copy bandwidth ({args.probe_mb} MiB fp32 copy_): {machine:.2f} GB/s; "
+          f"fp32 GEMM {gflops:.1f} GFLOP/s")
+    res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                       "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                       "loadavg_start": os.getloadavg()[0], "copy_gbps": machine,
+                       "gemm_gflops": gflops}}
+    d = bench_debug(args, machine)
+    res["debug"] = d
+    print(f"\n## debug model: {d['params']:,} params, {d['buckets']} buckets, G={d['grad_accum']}, "
+          f"microbatch {d['microbatch'][0]}x{d['microbatch'][1]}")
+    print(f"  failure-free step           {_fmt(d['step_s'])}  (median "
+          f"{d['step_stats']['median'] * 1e3:.1f} ms)")
+    print(f"  snapshot per iteration      {_fmt(d['snapshot_s'])}  "
+          f"{100 * d['snapshot_fraction']:.3f}% of the step  ({d['snapshot_gbps']:.2f} GB/s; "
+          f"medians: {100 * d['snapshot_fraction_median']:.3f}%)")
+    print(f"  all orchestration calls     {_fmt(d['orchestration_s'])}  "
+          f"{100 * d['orchestration_fraction']:.3f}% of the step")
+    print(f"  rewind (all buckets)        {_fmt(d['rewind_s'])}  "
+          f"snapshot+rewind {100 * d['snapshot_plus_rewind_fraction']:.3f}% of the step")
+    print(f"  extra memory                {d['snapshot_bytes']:,} B = "
+          f"{d['extra_bytes_per_param']:.2f} B/param (grads {d['grad_bytes']:,} B), "
+          f"{d['snapshot_allocations']} buffer allocations")
+    print(f"  NON_BLOCKING + 1st extension microbatch: plain copy "
+          f"{_fmt(d['nonblocking_copy_then_microbatch_s'])}, worker thread "
+          f"{_fmt(d['nonblocking_thread_overlapped_s'])}")
+    if not args.no_1b:
+        s = bench_shard(args, machine, gflops)
+        res["shard1b"] = s
+        print(f"\n## LLaMA-1B shard: {s['full_params']:,} params / shard {s['shard_size']} = "
+              f"{s['shard_params']:,} fp32 ({s['grad_bytes'] / 2**30:.2f} GiB)")
+        print(f"  snapshot                    {_fmt(s['snapshot_s'])}  {s['snapshot_gbps']:.2f} GB/s"
+              f" = {100 * s['snapshot_vs_machine']:.0f}% of the machine's copy bandwidth")
+        print(f"  rewind                      {_fmt(s['rewind_s'])}  {s['rewind_gbps']:.2f} GB/s")
+        e = s["step_estimate"]
+        print(f"  step (ESTIMATE: 6*N*{e['tokens_per_rank_per_step']} tokens at "
+              f"{e['gemm_gflops']:.1f} GFLOP/s) {e['step_s']:.0f} s -> snapshot "
+              f"{100 * s['snapshot_fraction_of_estimated_step']:.4f}%, snapshot+rewind "
+              f"{100 * s['snapshot_plus_rewind_fraction_of_estimated_step']:.4f}%")
+        print(f"  extra memory                {s['snapshot_bytes']:,} B = "
+              f"{s['extra_bytes_per_param']:.2f} B/param")
+        print(f"  NON_BLOCKING rewind vs {_fmt(s['overlap_compute_s'])} of GEMMs: plain copy "
+              f"then compute {_fmt(s['nonblocking_copy_then_compute_s'])}, worker thread "
+              f"{_fmt(s['nonblocking_thread_overlapped_s'])}")
+    res["machine"]["loadavg_end"] = os.getloadavg()[0]
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"\n# wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
