@@ -54,7 +54,8 @@ class RecoveryProtocolError(RuntimeError):
 class Verdict(enum.Enum):
     """What the integration does after `consensus()`."""
 
-    COMMIT = "commit"  # divide by policy.divisor(), optimizer step, data.commit, after_successful_commit()
+    # divide by policy.divisor(), optimizer step, data.commit, after_successful_commit()
+    COMMIT = "commit"
     EXTEND = "extend"  # run microbatches up to policy.steps(), enqueue + fire + consensus again
 
 
@@ -126,7 +127,7 @@ class StepTxnOrchestrator:
         self._latch: Optional[RestoreMode] = None
         self._discard = False              # this replica is in a decision's `discarded`
         self._extension = False            # NON_BLOCKING dispatched, extension pass not fired yet
-        self._computed: Optional[int] = None  # microbatches computed this iteration (note_microbatch)
+        self._computed: Optional[int] = None  # microbatches computed this iteration
         self._last_data_bucket: Optional[int] = None  # last bucket whose reduce moved data / failed
         self._in_iteration = False
         self._vote = torch.zeros(max(1, int(group.size)), dtype=torch.float32)

@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         res["shard1b"] = s
         print(f"\n## LLaMA-1B shard: {s['full_params']:,} params / shard {s['shard_size']} = "
               f"{s['shard_params']:,} fp32 ({s['grad_bytes'] / 2**30:.2f} GiB)")
-        print(f"  snapshot                    {_fmt(s['snapshot_s'])}  {s['snapshot_gbps']:.2f} GB/s"
+        print(f"  snapshot                    {_fmt(s['snapshot_s'])}  "
+              f"{s['snapshot_gbps']:.2f} GB/s"
               f" = {100 * s['snapshot_vs_machine']:.0f}% of the machine's copy bandwidth")
         print(f"  rewind                      {_fmt(s['rewind_s'])}  {s['rewind_gbps']:.2f} GB/s")
         e = s["step_estimate"]

@@ -93,7 +93,8 @@ def simulate(w: int, g: int, *, kills=(), iterations: int = 2, policy: str = "st
                     orch.wait_restore_before_backward()
                     world.checkpoint(r, "compute", m)
                     if pol.keeps(r, m):
-                        for t, part in zip(tensors, grad_of(data.microbatch_id(r, m)).split(BUCKETS)):
+                        parts = grad_of(data.microbatch_id(r, m)).split(BUCKETS)
+                        for t, part in zip(tensors, parts):
                             t.add_(part)
                     orch.note_microbatch(m + 1)
                     m += 1
@@ -634,7 +635,9 @@ def _random_schedule(seed: int):
     kills = []
     for v in victims:
         at = rnd.choice(["compute", "allreduce", "allreduce", "allreduce", "consensus"])
-        phase = rnd.choice(["before", "before", "data", "record"]) if at == "allreduce" else "before"
+        phase = "before"
+        if at == "allreduce":
+            phase = rnd.choice(["before", "before", "data", "record"])
         kills.append(Kill(v, rnd.randint(0, 2), at, rnd.randint(0, 7 if at != "consensus" else 2),
                           phase=phase))
     return w, g, prefail, kills, rnd.random() < 0.3
