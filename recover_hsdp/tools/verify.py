@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                         "that passes (long runs: honest divergence cannot accumulate)")
     p.add_argument("--rel-floor", type=float, default=DEFAULT_REL_FLOOR,
                    help=f"max_rel = |diff| / max(|expected|, floor) (default {DEFAULT_REL_FLOOR:g})")
+    p.add_argument("--one-copy", action="store_true",
+                   help="compare only the lowest replica's copy of each shard (default: every "
+                        "surviving replica's copy, and check that they agree)")
     p.add_argument("--device", default="cpu", help="replay device (default cpu)")
     p.add_argument("--until", type=int, default=None, help="stop after this step")
     p.add_argument("--records-only", action="store_true",
@@ -101,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = verify_run(args.run_dir, atol=args.atol, rtol=args.rtol, c=args.c,
                             c_rms=args.c_rms, rms_atol=args.rms_tol, rel_floor=args.rel_floor,
                             device=args.device, until=args.until, anchor=args.anchor,
+                            all_copies=not args.one_copy,
                             records_only=args.records_only, on_step=on_step, on_note=on_note)
     except KeyboardInterrupt:
         print("verify: interrupted", file=sys.stderr)

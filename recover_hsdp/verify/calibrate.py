@@ -38,6 +38,15 @@ class Case:
     corruptions: tuple = ()
     params_every: int = 1
     anchor: bool = False
+    corpus_chars: int = 200_000
+
+
+def long_cases(steps: int = 200) -> list[Case]:
+    """Honest divergence over a longer run: plain replay vs anchored at snapshots (every 10)."""
+    return [Case(f"long honest tiny W2 S1 {steps} steps", w=2, s=1, steps=steps, params_every=10,
+                 failures={}),
+            Case(f"long honest tiny W2 S1 {steps} steps anchored", w=2, s=1, steps=steps,
+                 params_every=10, failures={}, anchor=True)]
 
 
 def cases(quick: bool) -> list[Case]:
@@ -57,6 +66,8 @@ def cases(quick: bool) -> list[Case]:
             Case("honest llama_debug W4 S2 fail@5", model="llama_debug", failures=fail,
                  steps=20, seq_len=64),
         ]
+        out += [Case(f"honest sweep tiny W4 S2 fail@5 seed{k} corpus60k", failures=fail,
+                     steps=20, seed=k, corpus_chars=60_000) for k in range(6)]
     corrupt = [
         ("stale_buckets layers.0 @5", (C("stale_buckets", 5, buckets=(1,)),)),
         ("stale_buckets root @5", (C("stale_buckets", 5, buckets=(0,)),)),
@@ -83,20 +94,23 @@ def run_case(case: Case, root: Path) -> dict:
                                                write_sample_corpus, write_synthetic_run)
     from recover_hsdp.verify.tolerance import DEFAULT_C, DEFAULT_C_RMS, ulp_floor
 
-    corpus = root / "corpus.jsonl"
+    corpus = root / f"corpus{case.corpus_chars}.jsonl"
     if not corpus.exists():
-        write_sample_corpus(corpus, chars=200_000)
+        write_sample_corpus(corpus, chars=case.corpus_chars)
     data = small_data_config(corpus, root / "cache", seq_len=case.seq_len, micro_batch_size=1)
     model = tiny_model_config() if case.model == "tiny" else LLAMA_DEBUG.with_vocab(4096)
-    run_dir = root / "runs" / "".join(ch if ch.isalnum() else "_" for ch in case.name)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    name = case.name.removesuffix(" anchored")     # the anchored twin replays the same run
+    run_dir = root / "runs" / "".join(ch if ch.isalnum() else "_" for ch in name)
     t0 = time.perf_counter()
-    optim = {"lr": case.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-             "warmup_steps": 2, "min_lr_ratio": 0.1}
-    write_synthetic_run(run_dir, SyntheticRun(
-        model=model, data=data, w_init=case.w, g_init=case.g, shard_size=case.s,
-        steps=case.steps, seed=case.seed, policy=case.policy, optim=optim,
-        failures=case.failures, corruptions=case.corruptions, params_every=case.params_every))
+    if not (case.anchor and (run_dir / "summary.json").exists()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        optim = {"lr": case.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                 "warmup_steps": 2, "min_lr_ratio": 0.1}
+        write_synthetic_run(run_dir, SyntheticRun(
+            model=model, data=data, w_init=case.w, g_init=case.g, shard_size=case.s,
+            steps=case.steps, seed=case.seed, policy=case.policy, optim=optim,
+            failures=case.failures, corruptions=case.corruptions,
+            params_every=case.params_every))
     t1 = time.perf_counter()
     res = verify_run(run_dir, atol=math.inf, rms_atol=math.inf, anchor=case.anchor)
     t2 = time.perf_counter()
@@ -114,6 +128,8 @@ def run_case(case: Case, root: Path) -> dict:
                      "k_rms": rep.max_rms / scale,
                      "fails_default": rep.max_abs > DEFAULT_C * scale + floor
                      or rep.max_rms > DEFAULT_C_RMS * scale + floor})
+        if case.anchor:
+            lr2 = 0.0           # verify restarted its tolerance window at this snapshot
     out = {"case": case.name, "write_s": round(t1 - t0, 1), "verify_s": round(t2 - t1, 1),
            "k_max": max(r["k_max"] for r in rows), "k_rms": max(r["k_rms"] for r in rows),
            "steps": rows}
@@ -140,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="scratch directory for the synthetic runs")
     p.add_argument("--quick", action="store_true", help="a few small cases (about a minute)")
     p.add_argument("--only", default=None, help="run only cases whose name contains this")
+    p.add_argument("--long", type=int, default=0, metavar="STEPS",
+                   help="instead: honest divergence over a STEPS-step run, plain vs anchored")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = p.parse_args(argv)
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| case | steps | k_max | k_rms | at corrupted step: k_max, k_rms | margin vs default "
           "tol: element, RMS | first failing step | write/verify s |")
     print("|---|---|---|---|---|---|---|---|")
-    for case in cases(args.quick):
+    for case in (long_cases(args.long) if args.long else cases(args.quick)):
         if args.only and args.only not in case.name:
             continue
         r = run_case(case, root)
@@ -172,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             kmax, krms = f"{r['k_max']:.3g}", f"{r['k_rms']:.3g}"
         print(f"| {r['case']} | {case.steps} | {kmax} | {krms} | {at} | {margin} | "
               f"{r['first_failing_step']} | {r['write_s']}/{r['verify_s']} |", flush=True)
+        if args.long:
+            print("    step: max_abs / max_rms  " + "  ".join(
+                f"{x['step']}: {x['max_abs']:.2g}/{x['max_rms']:.2g}" for x in r["steps"]
+                if x["step"] % 20 == 0 or x["step"] == case.steps - 1), flush=True)
     honest = [r for r in results if "corrupt_step" not in r]
     if honest:
         print(f"honest maxima: k_max={max(r['k_max'] for r in honest):.3g}  "

@@ -121,7 +121,7 @@ def locate(layout, bucket: int, shard_index: int, pos: int) -> str:
 class _Comparator:
     """Compares saved shards with the replayed model's parameters."""
 
-    def __init__(self, spec: RunSpec, rel_floor: float):
+    def __init__(self, spec: RunSpec, rel_floor: float, all_copies: bool = True):
         import torch
 
         from recover_hsdp.hsdp.fsdp_hybrid import PARAM_PADDING_VALUE, flat_shard_from_full
@@ -129,6 +129,7 @@ class _Comparator:
         self.torch = torch
         self.spec = spec
         self.rel_floor = rel_floor
+        self.all_copies = all_copies
         self.pad = PARAM_PADDING_VALUE
         self.flat_shard_from_full = flat_shard_from_full
         self.last_snapshot = max((s for s in param_steps(spec.run_dir)), default=None)
@@ -183,6 +184,8 @@ class _Comparator:
                     continue  # the run may have died while writing its last snapshot
                 raise VerifyInputError(f"{label}: no copy of shard {j} in params/ (have shards "
                                        f"{sorted(copies)}): incomplete snapshot")
+            if not self.all_copies:
+                files = {min(files): files[min(files)]}
             expected = [e.to(torch.float32) for e in self.expected(model, j)]
             names = [f"flat{i}" for i in range(len(expected))]
             first = None
@@ -264,7 +267,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                c: float = DEFAULT_C, c_rms: float = DEFAULT_C_RMS,
                rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
                device: str = "cpu", until: int | None = None, records_only: bool = False,
-               anchor: bool = False,
+               anchor: bool = False, all_copies: bool = True,
                on_step: Callable[[StepReport], None] | None = None,
                on_note: Callable[[str], None] | None = None) -> VerifyResult:
     """Verify a run directory; never raises for a bad run (see ``VerifyResult.exit_code``).
@@ -273,6 +276,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
     ones (c, c_rms; ``tolerance.py``). anchor: after each snapshot that passes, continue the
     replay from the run's saved parameters (the optimizer state stays the replay's) and restart
     the tolerance window, so honest divergence cannot accumulate over a long run.
+    all_copies=False: compare only the lowest replica's copy of each shard (large runs).
     """
     t0 = time.perf_counter()
     result = VerifyResult(run_dir=str(run_dir), ok=False, exit_code=EXIT_ERROR, message="")
@@ -286,7 +290,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
         _verify(Path(run_dir), result, note, tol=Tolerance(c=c, c_rms=c_rms, atol=atol,
                                                             rms_atol=rms_atol, rtol=rtol),
                 rel_floor=rel_floor, device=device, until=until, records_only=records_only,
-                anchor=anchor, on_step=on_step)
+                anchor=anchor, all_copies=all_copies, on_step=on_step)
     except _Failed as f:
         result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
         result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
@@ -301,7 +305,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
 
 
 def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
-            until, records_only, anchor, on_step) -> None:
+            until, records_only, anchor, all_copies, on_step) -> None:
     spec = RunSpec.load(run_dir)
     record = spec.record
     steps = record.steps
@@ -362,7 +366,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     model.train()
     optimizer = build_optimizer(model.named_parameters(), spec.optim_cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    comparator = _Comparator(spec, rel_floor)
+    comparator = _Comparator(spec, rel_floor, all_copies)
     covered = {slot.fqn for fl in spec.layout for slot in fl.params}
     uncovered = [n for n, _ in model.named_parameters() if n not in covered]
     if uncovered:

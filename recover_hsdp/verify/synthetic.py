@@ -357,3 +357,66 @@ def small_data_config(corpus: str | Path, cache_dir: str | Path, *, seq_len: int
     """A local-corpus DataConfig (per-rank micro batch) for synthetic runs in tests."""
     return DataConfig(source="local", paths=(str(corpus),), seq_len=seq_len,
                       micro_batch_size=micro_batch_size, seed=seed, cache_dir=str(cache_dir))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m recover_hsdp.verify.synthetic RUN_DIR [--w 4 --g 2 --s 2 --steps 6
+    --fail STEP:REPLICA[+REPLICA] ... --corrupt KIND:STEP[:BUCKET] ...]"""
+    import argparse
+    import sys
+
+    from recover_hsdp.model import get_config
+
+    p = argparse.ArgumentParser(prog="python -m recover_hsdp.verify.synthetic",
+                                description="write a synthetic ReCoVer run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--w", type=int, default=4, help="W_init replicas")
+    p.add_argument("--g", type=int, default=2, help="G_init microbatches per replica")
+    p.add_argument("--s", type=int, default=2, help="shard size S")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny", help="tiny | llama_debug")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--mbs", type=int, default=1, help="sequences per rank per microbatch")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--policy", default="static", choices=("static", "adaptive"))
+    p.add_argument("--corpus-chars", type=int, default=200_000,
+                   help="local corpus: this many characters of the embedded corpus")
+    p.add_argument("--fail", action="append", default=[], metavar="STEP:R[+R]",
+                   help="replicas R die at STEP's synchronisation point (repeatable)")
+    p.add_argument("--corrupt", action="append", default=[], metavar="KIND:STEP[:BUCKET]",
+                   help=f"commit a wrong gradient; KIND in {', '.join(CORRUPTIONS)}")
+    p.add_argument("--order", default="hsdp", choices=("hsdp", "replay"))
+    p.add_argument("--params-every", type=int, default=1)
+    args = p.parse_args(argv)
+    root = Path(args.run_dir)
+    if root.exists():
+        print(f"{root}: already exists; use a fresh directory", file=sys.stderr)
+        return 2
+    failures: dict[int, list] = {}
+    for item in args.fail:
+        step, _, rs = item.partition(":")
+        failures.setdefault(int(step), []).append(tuple(int(r) for r in rs.split("+")))
+    corruptions = []
+    for item in args.corrupt:
+        kind, step, *rest = item.split(":")
+        corruptions.append(Corruption(kind, int(step), buckets=(int(rest[0]),) if rest else (1,)))
+    cache = root.parent / f".{root.name}.data"
+    corpus = write_sample_corpus(cache / "corpus.jsonl", chars=args.corpus_chars)
+    model = tiny_model_config() if args.model == "tiny" else get_config(args.model, 4096)
+    t0 = time.perf_counter()
+    write_synthetic_run(root, SyntheticRun(
+        model=model, data=small_data_config(corpus, cache / "cache", seq_len=args.seq_len,
+                                            micro_batch_size=args.mbs),
+        w_init=args.w, g_init=args.g, shard_size=args.s, steps=args.steps, seed=args.seed,
+        policy=args.policy, optim={**DEFAULT_OPTIM, "lr": args.lr}, failures=failures,
+        corruptions=corruptions, order=args.order, params_every=args.params_every))
+    print(f"wrote {root} ({args.steps} steps, W={args.w} G={args.g} S={args.s}, "
+          f"{time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -224,3 +224,8 @@ def test_init_mismatch_is_reported_as_such(copy, capsys):
     (copy / "meta.json").write_text(json.dumps({**meta, "seed": meta["seed"] + 1}))
     rc, out = _verify(copy, capsys=capsys)
     assert rc == 1 and "verify: FAILED at init (" in out and "build_model(seed=1)" in out, out
+
+
+def test_one_copy_mode(good):
+    res = verify_run(good, all_copies=False)
+    assert res.ok and all(r.copies == S and r.copies_max_diff is None for r in res.reports)
