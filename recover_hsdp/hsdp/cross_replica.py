@@ -103,6 +103,7 @@ class HSDPCrossReplicaGroup:
         self._group_quiesced = False  # uniform within my replicate group (repair in Detect)
         self._quiesce_flag = False
         self.rg = make_group(self._replicate_ranks())
+        self.last_result: ReplicaResult = ReplicaResult(ok=True)
 
     # --- the UlfmGroup-like surface the orchestrator drives ---------------------------------
     @property
@@ -171,6 +172,10 @@ class HSDPCrossReplicaGroup:
         return ReplicaResult(ok=False, reduce_failed=True, epoch=self.epoch)
 
     def consensus(self) -> ReplicaResult:
+        self.last_result = self._consensus()
+        return self.last_result
+
+    def _consensus(self) -> ReplicaResult:
         self._checkpoint("gate")
         try:
             self._shard_barrier()

@@ -30,57 +30,38 @@ import torch.nn as nn
 from recover_hsdp.faults import FailureInjector, replica_lost_exit
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup, ReplicaResult
-from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, FailureEvent, RestoreMode,
+from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
                                  StaticWorldPolicy, contrib_total, elect)
+from recover_hsdp.recovery import StepTxnOrchestrator, Verdict
 
 MicrobatchFn = Callable[[int, int], tuple]  # (replica, microbatch id) -> (inputs, targets)
 
 
-class _Buckets:
-    """Per-bucket pre-reduce snapshots S(b), tagged with the epoch they were taken under.
+class _FaultPoints:
+    """The cross-replica group as the orchestrator sees it, plus the simulator's reduce points.
 
-    One fp32 buffer per bucket, allocated once and reused every iteration (no per-step
-    allocation after the first). A bucket is stale when its last reduction is not known to have
-    completed under the current epoch; stale buckets are rewound from S(b) before any re-reduce
-    or extension, so nothing reduced under two memberships is ever mixed into one sum.
+    Every bucket reduction passes here, so `reduce` (first pass) and `re_reduce` (any reduction
+    after a handled failure: blocking re-reduces and the extension pass) fire at the exact bucket.
     """
 
-    def __init__(self) -> None:
-        self.snap: list[torch.Tensor] = []
-        self.tag: list[int] = []          # epoch at snapshot time, -1 = no snapshot this iteration
-        self.reduced_at: list[int] = []   # epoch of the last clean reduction, -1 = none
+    def __init__(self, group: HSDPCrossReplicaGroup, mgr: "HSDPULFMTrainingManager"):
+        self._g = group
+        self._mgr = mgr
 
-    def begin_iteration(self, n: int) -> None:
-        self.tag = [-1] * n
-        self.reduced_at = [-1] * n
+    def __getattr__(self, name: str):
+        return getattr(self._g, name)
 
-    def snapshot(self, b: int, t: torch.Tensor, epoch: int) -> None:
-        if len(self.snap) <= b:
-            self.snap.append(torch.empty_like(t))
-        elif self.snap[b].shape != t.shape:
-            self.snap[b] = torch.empty_like(t)
-        self.snap[b].copy_(t)
-        self.tag[b] = epoch
-        self.reduced_at[b] = -1
+    def allreduce(self, tensor: torch.Tensor):
+        mgr = self._mgr
+        loc = "re_reduce" if mgr._failure_handled else "reduce"
+        mgr.injector.check(loc, mgr.step, bucket=mgr._bucket_index.get(tensor.data_ptr(), 0))
+        return self._g.allreduce(tensor)
 
-    def rewind(self, buckets: list[torch.Tensor], zero: bool = False) -> int:
-        """Copy S(b) back into every bucket that has a snapshot (or zero it). Returns count."""
-        n = 0
-        with torch.no_grad():
-            for b, t in enumerate(buckets):
-                if self.tag[b] < 0:
-                    continue
-                if zero:
-                    t.zero_()
-                else:
-                    t.copy_(self.snap[b])
-                self.tag[b] = -1
-                self.reduced_at[b] = -1
-                n += 1
-        return n
-
-    def all_reduced_at(self, epoch: int) -> bool:
-        return bool(self.reduced_at) and all(e == epoch for e in self.reduced_at)
+    def consensus(self):
+        res = self._g.consensus()
+        if not res.ok:
+            self._mgr._failure_handled = True
+        return res
 
 
 @dataclass
@@ -158,7 +139,6 @@ class HSDPULFMTrainingManager:
                                         verbose=True)
         self.log = log or (lambda s: None)
         self.step = 0
-        self._buckets = _Buckets()
         self.cross = HSDPCrossReplicaGroup(
             world=self.world, replicas=replicas, shard_size=shard_size, global_rank=self.rank,
             make_group=UlfmGroup.from_ranks, shard_barrier=self._shard_barrier,
@@ -166,6 +146,11 @@ class HSDPULFMTrainingManager:
             checkpoint=lambda location: self.injector.check(location, self.step))
         self.failures_survived = 0
         self._tokens_per_mb: Optional[int] = None
+        self._failure_handled = False
+        self._bucket_index: dict[int, int] = {}
+        self.orch = StepTxnOrchestrator(_FaultPoints(self.cross, self), self.policy,
+                                        self.topo.replica_of_rank,
+                                        restore_enabled=restore_enabled, log=self.log)
 
     def set_failure_schedule(self, schedule, before_kill=None) -> None:
         """Install the failure simulator's schedule (validated by the caller)."""
@@ -191,23 +176,21 @@ class HSDPULFMTrainingManager:
 
     # --- one committed iteration -----------------------------------------------------------
     def train_step(self) -> StepMetrics:
+        """Run one iteration to its commit (failures included) and return its metrics."""
         t0 = time.perf_counter()
-        step, pol = self.step, self.policy
-        self.cross.set_roles(pol.roles())
-        self.optimizer.zero_grad(set_to_none=False)
+        step, pol, orch = self.step, self.policy, self.orch
+        self._failure_handled = False
+        self.optimizer.zero_grad(set_to_none=False)  # keep the bucket tensors (snapshot targets)
         self.acc.reset()
+        orch.begin_iteration()
         base = pol.steps()
         m = 0
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        first_pass = True
-        modes: list[str] = []
-        failures: list[dict] = []
-        buckets: list[torch.Tensor] = []
-        boundary = False
+        loss_sum = 0.0
         while True:
-            # 1. microbatches (the whole iteration, or the boundary extension)
+            # microbatches: the whole iteration, then (boundary) the extension up to steps()
             while m < pol.steps():
                 ext = m >= base
+                orch.wait_restore_before_backward()
                 mb_id = self.data.microbatch_id(self.replica, m)
                 keep = pol.keeps(self.replica, m)
                 self.injector.check("extension" if ext else "forward", step,
@@ -228,69 +211,22 @@ class HSDPULFMTrainingManager:
                         raise
                     self._replica_lost(e)
                 if keep:
-                    loss_sum += loss.double()
+                    loss_sum += float(loss)
                 if self._tokens_per_mb is None:
                     self._tokens_per_mb = int(y.numel()) * self.S
                 m += 1
-            self.cross.set_contributed(pol.kept_before(self.replica, m))
-            self.cross.set_loss_sum(float(loss_sum))
-            # 2. reduction pass (first pass = "reduce", any later one = "re_reduce")
-            if not buckets:
-                buckets = fh.grad_shards(self.module)
-                if first_pass:
-                    self._buckets.begin_iteration(len(buckets))
-            self.cross.begin_pass()
-            epoch = self.cross.epoch
-            for b, t in enumerate(buckets):
-                self.injector.check("reduce" if first_pass else "re_reduce", step, bucket=b)
-                if self._buckets.tag[b] == epoch and self._buckets.reduced_at[b] == epoch:
-                    continue  # already reduced cleanly under this membership
-                self._buckets.snapshot(b, t, epoch)
-                res = self.cross.allreduce(t)
-                if res.ok and not res.quiesced:
-                    self._buckets.reduced_at[b] = epoch
-            first_pass = False
-            # 3. gate + consensus: the only source of failure records
-            res = self.cross.consensus()
-            if res.ok:
-                if self._buckets.all_reduced_at(self.cross.epoch):
-                    modes.append(RestoreMode.SKIP.value)
-                    break
-                # a failed reduction that surfaced nowhere else (cannot happen without a death);
-                # be safe: rewind and reduce again under this membership
-                self._buckets.rewind(buckets)
-                modes.append("retry")
-                continue
-            self.failures_survived += len(res.failed_replicas)
-            event = FailureEvent.from_record(res, res.failed_replicas, self.cross.alive,
-                                             microbatch=pol.steps())
-            failures.append({"replicas": list(res.failed_replicas),
-                             "ranks": list(res.failed_ranks), "epoch": res.epoch,
-                             "at_boundary": bool(res.at_boundary), "all_clean": res.all_clean})
-            if res.all_clean:
-                # case (b): every bucket of every shard group was reduced under the old
-                # membership: a valid sum of exactly this step's assignment. Commit it as is.
-                pol.note_failure_after_commit(event)
-                modes.append(RestoreMode.SKIP.value)
+                orch.note_microbatch(m)
+            self.cross.set_loss_sum(loss_sum)
+            # the deferred cross-replica reduction: after the loop, never inside backward
+            buckets = fh.grad_shards(self.module)
+            self._bucket_index = {t.data_ptr(): i for i, t in enumerate(buckets)}
+            for t in buckets:
+                orch.enqueue_bucket(t)
+            orch.fire_deferred_allreduces()
+            # replica-consistency gate + agreed failure view; COMMIT or EXTEND (boundary)
+            if orch.consensus() is Verdict.COMMIT:
                 break
-            decision = pol.on_failure(event)
-            boundary = boundary or decision.at_boundary
-            modes.append(decision.restore_mode.value)
-            self.cross.set_roles(pol.roles())
-            if self.restore_enabled:
-                self._buckets.rewind(buckets)
-                if self.replica in getattr(decision, "discarded", ()):
-                    with torch.no_grad():
-                        for t in buckets:
-                            t.zero_()
-            else:
-                # debug switch: no rewind; stale buckets are re-reduced on top of reduced sums
-                self._buckets.tag = [-1] * len(buckets)
-                self._buckets.reduced_at = [-1] * len(buckets)
-            if decision.restore_mode is RestoreMode.NON_BLOCKING:
-                buckets = []  # the extension pass produces new accumulations; re-read shards
-            # BLOCKING: loop straight back to the reduction pass (no new microbatches)
-        # 4. commit
+        # commit: the divisor is fixed (B for the static policy), never the live world size
         self.injector.check("pre_step", step)
         divisor = pol.divisor()
         with torch.no_grad():
@@ -304,9 +240,15 @@ class HSDPULFMTrainingManager:
         self.injector.check("optimizer_step", step)
         layout = pol.layout.as_dict()
         alive = list(pol.alive)
-        contributions = self.data.commit(pol)
+        boundary = bool(pol.at_boundary)
+        contributions = self.data.commit(pol)  # before after_commit: case (b) keeps dead ids
+        log = orch.iteration_log
+        modes = list(log.modes) or [RestoreMode.SKIP.value]
+        failures = [dict(f) for f in log.failures]
+        self.failures_survived += sum(len(f.get("replicas", ())) for f in failures)
         # loss: the agreed per-replica kept-loss sums of the final consensus, over the replicas
         # that contributed (a case-(b) dead replica's share is committed but its loss is unknown)
+        res = self.cross.last_result
         num = den = 0.0
         for r, ls in zip(self.cross.alive, res.loss_sums):
             if contributions.get(r):
@@ -319,6 +261,6 @@ class HSDPULFMTrainingManager:
             boundary=boundary, restore_modes=modes, failures=failures,
             contributions={int(r): list(v) for r, v in contributions.items()},
             divisor=divisor, epoch=self.cross.epoch, wall_s=time.perf_counter() - t0)
-        pol.after_commit()
+        orch.after_successful_commit()
         self.step += 1
         return metrics
