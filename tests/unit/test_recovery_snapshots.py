@@ -73,3 +73,14 @@ def test_cuda_side_stream_rewind_is_ordered_before_the_next_kernel():
     r.wait()  # the current stream now waits on the rewind event
     out = dst * 2  # runs after the copy in stream order
     torch.testing.assert_close(out, src * 2)
+
+
+def test_recovery_layer_does_not_load_the_collectives_extension():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, recover_hsdp.recovery\n"
+            "bad = [m for m in sys.modules if m == 'recover_hsdp._C' or "
+            "m.startswith('recover_hsdp.collectives.group') or m == 'mpi4py']\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
