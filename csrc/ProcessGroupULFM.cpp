@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce(
               "ulfm backend does not support allreduce of ", tensors.size(),
               " tensors in one call (pass exactly one)");
   TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM,
-              "ulfm backend does not support reduce op ", opts.reduceOp.op_, " (SUM only)");
+              "ulfm backend does not support reduce op ", static_cast<int>(opts.reduceOp.op_), " (SUM only)");
   checkCurrent("allreduce");
   FailureRecord rec = comm_->allreduce(tensors[0]);
   return finish(c10d::OpType::ALLREDUCE, tensors, std::move(rec));

@@ -301,6 +301,7 @@ FailureRecord UlfmComm::okRecordLocked() const {
 }
 
 void UlfmComm::repairLocked(std::vector<int64_t>& failed) {
+  noteFailureSeen();
   int rc = MPIX_Comm_revoke(comm_);
   if (rc != MPI_SUCCESS && !isFailureClass(mpiErrorClass(rc))) {
     throwMpiError(rc, "MPIX_Comm_revoke", __FILE__, __LINE__);
@@ -377,6 +378,10 @@ FailureRecord UlfmComm::protocolLocked() {
   std::vector<int64_t> gathered;
   bool repaired = false;
   bool record_ok = true;
+  if (revoke_at_next_call_) {
+    revoke_at_next_call_ = false;
+    MPIX_Comm_revoke(comm_);
+  }
   for (;;) {
     maybeKill(KillPoint::DETECT);
     int revoked = 0;
@@ -439,6 +444,7 @@ FailureRecord UlfmComm::dataFailedLocked(int rc, const char* call) {
   }
   // Peers may still be inside the data collective waiting for this rank: revoke interrupts
   // them, and makes the next Detect on this communicator fail at every member.
+  noteFailureSeen();
   MPIX_Comm_revoke(comm_);
   FailureRecord rec = okRecordLocked();
   rec.ok = false;
@@ -481,7 +487,9 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
     buf.finish();
     if (fail_next_data_) {
       fail_next_data_ = false;
-      rec = dataFailedLocked(MPIX_ERR_PROC_FAILED, "MPI_Allreduce");
+      revoke_at_next_call_ = true;
+      rec.ok = false;
+      rec.reduce_failed = true;
     }
   }
   last_ = rec;
@@ -518,7 +526,9 @@ FailureRecord UlfmComm::broadcast(at::Tensor& tensor, int root) {
     buf.finish();
     if (fail_next_data_) {
       fail_next_data_ = false;
-      rec = dataFailedLocked(MPIX_ERR_PROC_FAILED, "MPI_Bcast");
+      revoke_at_next_call_ = true;
+      rec.ok = false;
+      rec.reduce_failed = true;
     }
   }
   last_ = rec;

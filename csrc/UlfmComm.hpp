@@ -77,8 +77,10 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   // collective), "data_async" (a timer thread fires delay_us after the data collective is
   // posted: a death in the middle of the transfer). "" clears.
   void debugKillAt(const std::string& point, int64_t delay_us);
-  // The next data phase runs normally, then this rank treats it as failed (revokes, returns
-  // reduce_failed): the asymmetric outcome of a peer dying right after this rank's data moved.
+  // The next data phase runs normally, then this rank reports it as failed (reduce_failed) and
+  // revokes the communicator at the start of its next call: the asymmetric outcome "this rank
+  // saw a failure in the reduction, its peers did not", deterministically (an immediate revoke
+  // could also interrupt peers still finishing the same collective).
   void debugFailNextData();
 
  private:
@@ -110,6 +112,7 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   KillPoint kill_point_ = KillPoint::NONE;
   int64_t kill_delay_us_ = 0;
   bool fail_next_data_ = false;
+  bool revoke_at_next_call_ = false;
 };
 
 } // namespace recover_hsdp

@@ -83,6 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("world_size", &worldSize);
   m.def("mpi_library_version", &mpiLibraryVersion);
   m.def("owns_mpi", &ownsMpi);
+  m.def("failure_seen", &failureSeen);
   m.def("finalize_if_owner", &finalizeIfOwner, py::call_guard<py::gil_scoped_release>());
 
   py::class_<UlfmComm, std::shared_ptr<UlfmComm>>(m, "UlfmComm")

@@ -3,6 +3,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -16,7 +17,8 @@ namespace {
 std::once_flag g_init_once;
 bool g_owns_mpi = false;
 bool g_global_lock = false;
-std::string g_init_error;  // non-empty: ensureMpi() fails with this one-line message
+std::string g_init_error;
+std::atomic<bool> g_failure_seen{false};  // non-empty: ensureMpi() fails with this one-line message
 
 MPI_Op g_sum_half = MPI_OP_NULL;
 MPI_Op g_sum_bf16 = MPI_OP_NULL;
@@ -136,8 +138,16 @@ bool ownsMpi() {
   return g_owns_mpi;
 }
 
+void noteFailureSeen() {
+  g_failure_seen.store(true);
+}
+
+bool failureSeen() {
+  return g_failure_seen.load();
+}
+
 void finalizeIfOwner() {
-  if (!g_owns_mpi) {
+  if (!g_owns_mpi || g_failure_seen.load()) {
     return;
   }
   int finalized = 0;

@@ -76,8 +76,13 @@ bool needGlobalMpiLock();
 
 // Whether this extension called MPI_Init_thread (and so should finalise at exit).
 bool ownsMpi();
-// MPI_Finalize if we own MPI and it is not finalised yet.
+// MPI_Finalize if we own MPI, it is not finalised yet and this process never saw a failure:
+// MPI_Finalize can hang after failures (open-mpi/ompi#11404), so a process that saw one exits
+// without it (under --with-ft ulfm the launcher accepts that).
 void finalizeIfOwner();
+// Called by the protocol whenever it repairs or sees a failed data phase.
+void noteFailureSeen();
+bool failureSeen();
 
 // Diagnostics for the Python face.
 bool libraryHasUlfm();   // compiled against a library with the MPIX_ fault-tolerance API

@@ -67,8 +67,12 @@ def ensure_mpi() -> ModuleType:
     C = load()
     if not _mpi_ready:
         C.ensure_mpi()  # raises UlfmUnavailableError with the reason
-        if C.owns_mpi() and os.environ.get("RECOVER_HSDP_MPI_FINALIZE", "1") != "0":
-            # mpi4py finalises the MPI it initialised; we finalise ours.
+        if C.owns_mpi() and os.environ.get("RECOVER_HSDP_MPI_FINALIZE", "0") == "1":
+            # Off by default: under ULFM, MPI_Finalize can hang once ANY process of the job has
+            # died, even in a process that never noticed (open-mpi/ompi#11404; seen here with
+            # two replicate groups, one of which lost a rank). `mpirun --with-ft ulfm` accepts
+            # processes that exit without it. Opt in with RECOVER_HSDP_MPI_FINALIZE=1 (it is
+            # skipped anyway in a process that saw a failure).
             atexit.register(C.finalize_if_owner)
         _mpi_ready = True
     return C

@@ -1,0 +1,125 @@
+"""Run a Python script or module under `mpirun --with-ft ulfm` and collect per-rank JSON results.
+
+    from tests.mpi._mpi import run_mpi
+    run = run_mpi(4, WORKERS / "ulfm_scenarios.py", ["kill_before"], timeout=90)
+    run.results            # {rank: obj} for every rank that called write_result(obj)
+    run.survivors          # sorted ranks that wrote a result
+
+Ranks write results with `tests/mpi/workers/_worker.py::write_result` (or any code writing
+`<RECOVER_HSDP_MPI_OUT>/rank<r>.json`). Success is read from these files, never from mpirun's
+exit status (under ULFM mpirun exits 0 even after SIGKILLs). On timeout the whole process group
+of mpirun is SIGKILLed and the call raises MpiTimeout with the output tails, so a hang fails the
+test fast instead of eating CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+OUT_ENV = "RECOVER_HSDP_MPI_OUT"
+
+
+class MpiTimeout(AssertionError):
+    pass
+
+
+@dataclass
+class MpiRun:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    out_dir: Path
+    results: dict[int, object] = field(default_factory=dict)
+
+    @property
+    def survivors(self) -> list[int]:
+        return sorted(self.results)
+
+    def tail(self, n: int = 3000) -> str:
+        return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
+
+
+def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
+    """The mpirun prefix used by run_mpi (also by the collectives benchmark)."""
+    bindir = Path(sys.executable).parent
+    mpirun = bindir / "mpirun"
+    cmd = [str(mpirun) if mpirun.exists() else "mpirun"]
+    if ft:
+        cmd += ["--with-ft", "ulfm"]
+    cmd += ["--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-n", str(nprocs), *extra_args]
+    return cmd
+
+
+def mpi_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"]
+                                     if env.get("PYTHONPATH") else "")
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share 2 cores: no intra-op thread pools
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(
+    nprocs: int,
+    script_or_module: str | os.PathLike,
+    args: Sequence[str] = (),
+    timeout: float = 120,
+    *,
+    env: Mapping[str, str] | None = None,
+    mpirun_args: Sequence[str] = (),
+    ft: bool = True,
+    out_dir: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> MpiRun:
+    """Launch `nprocs` ranks of a script (a path ending in .py) or a module (`-m` dotted name).
+
+    env: extra environment for the ranks; mpirun_args: extra mpirun arguments (before the
+    program); ft=False launches without `--with-ft ulfm` (to test that refusal).
+    """
+    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="mpirun_"))
+    out.mkdir(parents=True, exist_ok=True)
+    target = str(script_or_module)
+    prog = [sys.executable, target] if target.endswith(".py") else [sys.executable, "-m", target]
+    cmd = mpirun_command(nprocs, ft=ft, extra_args=mpirun_args) + prog + [str(a) for a in args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpi_env({OUT_ENV: str(out), **(env or {})}),
+                            cwd=str(cwd or REPO), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        run = MpiRun(None, stdout, stderr, out, _collect(out))
+        raise MpiTimeout(f"mpirun exceeded {timeout}s: {' '.join(cmd)}\n"
+                         f"results from ranks {run.survivors}\n{run.tail()}") from None
+    return MpiRun(proc.returncode, stdout, stderr, out, _collect(out))
+
+
+def _collect(out: Path) -> dict[int, object]:
+    results: dict[int, object] = {}
+    for p in sorted(out.glob("rank*.json")):
+        try:
+            results[int(p.stem[4:])] = json.loads(p.read_text())
+        except (ValueError, json.JSONDecodeError):
+            continue
+    return results
