@@ -34,6 +34,7 @@ import dataclasses
 import datetime
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -507,6 +508,15 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     run: RunConfig = parts["run"]
     optim: OptimConfig = parts["optim"]
     _check_ranks(par, run, world_size)
+    if run.mpirun and not shutil.which(os.path.expanduser(run.mpirun)):
+        raise TrainConfigError(f"run.mpirun({run.mpirun!r}) is not an executable (null: the "
+                               f"mpirun next to the Python interpreter, else PATH)")
+    if run.store_host:
+        from recover_hsdp.launch import store_host_problem
+
+        why = store_host_problem(run.store_host)
+        if why:
+            raise TrainConfigError(f"run.store_host({run.store_host!r}) {why}")
     # B = W_init * G_init must be reachable by the policy (it builds the initial layout)
     policy = parts["policy"].name
     try:

@@ -115,6 +115,25 @@ def default_store_host() -> str:
     return "127.0.0.1"
 
 
+def store_host_problem(host: str) -> str | None:
+    """None if the launcher can host the store at ``host`` (it must resolve to an address of
+    THIS machine: the launcher binds there and the ranks connect to it), else why not."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"does not resolve ({getattr(e, 'strerror', None) or e})"
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return None
+        except OSError:
+            continue
+    return "is not an address of this machine (the launcher hosts the store here)"
+
+
 # ---------------------------------------------------------------------------------------------
 # Running a job
 # ---------------------------------------------------------------------------------------------

@@ -322,16 +322,23 @@ def launch_job(job: Job) -> JobResult:
     config_path = ldir / "config.yaml"
     OmegaConf.save(job.cfg, config_path, resolve=True)
     host = job.cfg.run.store_host or default_store_host()
-    with serve_store(host) as store:
-        env = job_env(job, store)
-        cmd = job_command(job, config_path, env)
-        knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
-                         ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS", "RECOVER_HSDP_SHARD_TIMEOUT_S"))
-        (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
-        print(f"[{PROG}] run directory {run_dir}", flush=True)
-        print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
-        outcome = run_job(cmd, env, log_path=ldir / "output.log",
-                          time_limit_s=job.cfg.run.time_limit_s)
+    try:
+        with serve_store(host) as store:
+            env = job_env(job, store)
+            cmd = job_command(job, config_path, env)
+            knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
+                             ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS",
+                              "RECOVER_HSDP_SHARD_TIMEOUT_S"))
+            (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
+            print(f"[{PROG}] run directory {run_dir}", flush=True)
+            print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
+            outcome = run_job(cmd, env, log_path=ldir / "output.log",
+                              time_limit_s=job.cfg.run.time_limit_s)
+    except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
+        res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
+        res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="
+                    f"{job.cfg.run.mpirun!r}): {' '.join(str(e).split())}")
+        return res
     res = judge_run(job, outcome.wall_s, outcome.stopped)
     if outcome.stopped == "time_limit" and not res.note:
         res.note = f"stopped by run.time_limit_s={job.cfg.run.time_limit_s}"

@@ -117,6 +117,9 @@ def test_failures_schedule_file_path(tmp_path):
     (["failures=random", "failures.count=5"], "failures.count: 5 kills of distinct replicas"),
     (["failures=random", "failures.step_range=[25,30]", "failures.count=1"],
      "is beyond run.steps=20"),
+    (["run.mpirun=/no/such/mpirun"], "run.mpirun('/no/such/mpirun') is not an executable"),
+    (["run.store_host=203.0.113.7"], "run.store_host('203.0.113.7') is not an address of this "
+                                     "machine"),
     (["failures.schedule=/nonexistent.yaml"], "failures.schedule: cannot read schedule file "
                                               "'/nonexistent.yaml'"),
 ])
