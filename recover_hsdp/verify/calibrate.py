@@ -25,7 +25,7 @@ from pathlib import Path
 @dataclass
 class Case:
     name: str
-    model: str = "tiny"            # tiny | llama_debug
+    model: str = "tiny"            # tiny | tiny32 | llama_debug
     w: int = 4
     g: int = 2
     s: int = 2
@@ -68,6 +68,8 @@ def cases(quick: bool) -> list[Case]:
         ]
         out += [Case(f"honest sweep tiny W4 S2 fail@5 seed{k} corpus60k", failures=fail,
                      steps=20, seed=k, corpus_chars=60_000) for k in range(6)]
+        out += [Case(f"honest sweep tiny32 W4 S2 fail@5 seed{k} corpus60k", model="tiny32",
+                     failures=fail, steps=20, seed=k, corpus_chars=60_000) for k in range(2)]
     corrupt = [
         ("stale_buckets layers.0 @5", (C("stale_buckets", 5, buckets=(1,)),)),
         ("stale_buckets root @5", (C("stale_buckets", 5, buckets=(0,)),)),
@@ -98,7 +100,9 @@ def run_case(case: Case, root: Path) -> dict:
     if not corpus.exists():
         write_sample_corpus(corpus, chars=case.corpus_chars)
     data = small_data_config(corpus, root / "cache", seq_len=case.seq_len, micro_batch_size=1)
-    model = tiny_model_config() if case.model == "tiny" else LLAMA_DEBUG.with_vocab(4096)
+    model = {"tiny": tiny_model_config(),
+             "tiny32": tiny_model_config(d_model=32, n_heads=2),   # no padding; worst seen
+             "llama_debug": LLAMA_DEBUG.with_vocab(4096)}[case.model]
     name = case.name.removesuffix(" anchored")     # the anchored twin replays the same run
     run_dir = root / "runs" / "".join(ch if ch.isalnum() else "_" for ch in name)
     t0 = time.perf_counter()

@@ -447,6 +447,9 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                 what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
                         f"{_fmt(tol.element)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
                                                   else ""))
+                if rep.max_rms is not None and rep.max_rms <= tol.bulk:
+                    what += (f" (flat-param RMS {_fmt(rep.max_rms)} within rms_tol "
+                             f"{_fmt(tol.bulk)}: an isolated element, see docs/verify.md)")
             raise _Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
                                     "where": rep.where, "max_abs": rep.max_abs,
                                     "max_rel": rep.max_rel, "max_rms": rep.max_rms,
