@@ -28,7 +28,6 @@ Exit codes: 0 every job committed all run.steps; 1 a job did not (or could not s
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
 import importlib.util
@@ -36,7 +35,6 @@ import os
 import shlex
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,7 +48,7 @@ EXIT_INTERRUPTED = 130
 LAUNCHER_DIR = "launcher"        # <run dir>/launcher/{config.yaml, command.sh, output.log}
 PROG = "recover-hsdp train"
 
-USAGE = f"""usage: {PROG} [-m|--multirun] [--dry-run] [--print-config] [KEY=VALUE | GROUP=OPTION ...]
+USAGE = f"""usage: {PROG} [-m|--multirun] [--dry-run] [--print-config] [KEY=VALUE|GROUP=OPTION ...]
 
 Compose conf/config.yaml with the overrides, validate it, launch replicas*shard_size ranks under
 `mpirun --with-ft ulfm`, and report from the run directory.
@@ -497,7 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{env['RECOVER_HSDP_SHARD_TIMEOUT_S']} "
                       f"{shlex.join(job_command(job, cfg_path, env))}")
         return EXIT_OK
-    return run_jobs(jobs, sweep=flags.multirun)
+    try:
+        return run_jobs(jobs, sweep=flags.multirun)
+    except KeyboardInterrupt:     # between jobs (a running job is stopped by run_job itself)
+        _err("interrupted")
+        return EXIT_INTERRUPTED
 
 
 def _hydra_task(cfg) -> None:

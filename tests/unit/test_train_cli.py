@@ -4,7 +4,6 @@ directory, the worker's checks."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from recover_hsdp.train import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TIME_LIMIT,
-    Job,
     UsageError,
     expand_sweep,
     format_table,
