@@ -85,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         if args.every is not None and args.every < 1:
             raise _UsageError("--every must be >= 1")
+        if args.until is not None and args.until < 0:
+            raise _UsageError("--until must be >= 0")
     except _UsageError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
@@ -105,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             c_rms=args.c_rms, rms_atol=args.rms_tol, rel_floor=args.rel_floor,
                             device=args.device, until=args.until, anchor=args.anchor,
                             all_copies=not args.one_copy,
-                            records_only=args.records_only, on_step=on_step, on_note=on_note)
+                            records_only=args.records_only, on_step=on_step, on_note=on_note,
+                            on_header=lambda text: print(text, file=out, flush=True))
     except KeyboardInterrupt:
         print("verify: interrupted", file=sys.stderr)
         return 130

@@ -75,21 +75,26 @@ class VerifyResult:
     tolerance: str = ""
     failed_step: int | None = None
     failure: dict | None = None
+    header: str = ""
     notes: list[str] = field(default_factory=list)
     reports: list[StepReport] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> dict:
+        """A JSON-safe dict (non-finite floats as strings); the per-step reports as ``steps``."""
         d = asdict(self)
         d["steps"] = d.pop("reports")
-        for rep in d["steps"]:
-            for k in ("max_abs", "max_rel", "tol", "copies_max_diff", "max_rms", "rms_tol"):
-                if isinstance(rep[k], float) and not math.isfinite(rep[k]):
-                    rep[k] = str(rep[k])
-        for k in ("max_abs", "max_rel", "tol", "max_rms", "rms_tol"):
-            if isinstance(d[k], float) and not math.isfinite(d[k]):
-                d[k] = str(d[k])
-        return d
+        return _json_safe(d)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 class _Failed(Exception):
@@ -269,7 +274,8 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                device: str = "cpu", until: int | None = None, records_only: bool = False,
                anchor: bool = False, all_copies: bool = True,
                on_step: Callable[[StepReport], None] | None = None,
-               on_note: Callable[[str], None] | None = None) -> VerifyResult:
+               on_note: Callable[[str], None] | None = None,
+               on_header: Callable[[str], None] | None = None) -> VerifyResult:
     """Verify a run directory; never raises for a bad run (see ``VerifyResult.exit_code``).
 
     atol / rms_atol: fixed element / per-flat-parameter RMS tolerances instead of the derived
@@ -290,7 +296,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
         _verify(Path(run_dir), result, note, tol=Tolerance(c=c, c_rms=c_rms, atol=atol,
                                                             rms_atol=rms_atol, rtol=rtol),
                 rel_floor=rel_floor, device=device, until=until, records_only=records_only,
-                anchor=anchor, all_copies=all_copies, on_step=on_step)
+                anchor=anchor, all_copies=all_copies, on_step=on_step, on_header=on_header)
     except _Failed as f:
         result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
         result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
@@ -305,7 +311,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
 
 
 def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
-            until, records_only, anchor, all_copies, on_step) -> None:
+            until, records_only, anchor, all_copies, on_step, on_header=None) -> None:
     spec = RunSpec.load(run_dir)
     record = spec.record
     steps = record.steps
@@ -383,6 +389,13 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     max_param = max(float(p.detach().abs().max()) for p in params)
     tol.floor = ulp_floor(max_param)
     result.tolerance = tol.describe() + ("; anchored at each snapshot" if anchor else "")
+    n_snap = len(saved & committed)
+    result.header = (f"verify {run_dir}: W_init={spec.w_init} G_init={spec.g_init} B={spec.B} "
+                     f"S={spec.shard_size} policy={spec.policy} steps={len(steps)} "
+                     f"snapshots={n_snap} model={spec.model_cfg.name} "
+                     f"({sum(p.numel() for p in params)} params) tolerance: {result.tolerance}")
+    if on_header is not None:
+        on_header(result.header)
 
     if INIT_STEP in saved:
         rep = comparator.compare(model, INIT_STEP, 0.0, 0.0)
@@ -447,7 +460,9 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                 what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
                         f"{_fmt(tol.element)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
                                                   else ""))
-                if rep.max_rms is not None and rep.max_rms <= tol.bulk:
+                if rep.max_rms is not None and rep.max_rms > tol.bulk:
+                    what += f"; flat-param RMS {_fmt(rep.max_rms)} > rms_tol {_fmt(tol.bulk)}"
+                elif rep.max_rms is not None:
                     what += (f" (flat-param RMS {_fmt(rep.max_rms)} within rms_tol "
                              f"{_fmt(tol.bulk)}: an isolated element, see docs/verify.md)")
             raise _Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,

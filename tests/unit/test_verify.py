@@ -100,8 +100,9 @@ def test_replay_order_is_bit_exact_and_quiet_mode(data, tmp_path, capsys):
     res = verify_run(run)
     assert res.ok and res.max_abs == 0.0 and res.max_rms == 0.0, res.message
     rc, out = _verify(run, "--quiet", "--every", "2", capsys=capsys)
-    assert rc == 0 and [ln.split(":")[0] for ln in out.splitlines()] == ["step 0", "step 2",
-                                                                        "verify"]
+    header, *lines = out.splitlines()
+    assert header.startswith(f"verify {run}: W_init=2 G_init=2 B=4 S=1 policy=static steps=3")
+    assert rc == 0 and [ln.split(":")[0] for ln in lines] == ["step 0", "step 2", "verify"]
 
 
 def test_adaptive_run_passes(data, tmp_path):
