@@ -132,7 +132,7 @@ def _alive(pids):
 
 def test_ctrl_c_stops_mpirun_and_every_rank(tmp_path):
     """SIGINT to the launcher (Ctrl-C) stops mpirun and every rank; exit code 130.
-    (run.time_limit_s takes the same path: tests/unit/test_train_cli.py, run_job.)"""
+    (run.time_limit_s takes the same path: tests/unit/test_train_cli_unit.py, run_job.)"""
     pids = tmp_path / "pids"
     pids.mkdir()
     args = ["run.steps=2", f"run.output_dir={tmp_path}/r"]
