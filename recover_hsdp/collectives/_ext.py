@@ -7,6 +7,7 @@ becomes a one-line `UlfmUnavailableError` naming the fix.
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import threading
 from types import ModuleType
@@ -45,7 +46,7 @@ def load() -> ModuleType:
         import torch.distributed  # noqa: F401  (registers c10d's pybind types first)
 
         try:
-            from recover_hsdp import _C  # type: ignore[attr-defined]
+            _C = importlib.import_module("recover_hsdp._C")
         except ModuleNotFoundError as e:
             if e.name and e.name.endswith("_C"):
                 raise UlfmUnavailableError(

@@ -1,7 +1,7 @@
 """Run a Python script or module under `mpirun --with-ft ulfm` and collect per-rank JSON results.
 
-    from tests.mpi._mpi import run_mpi
-    run = run_mpi(4, WORKERS / "ulfm_scenarios.py", ["kill_before"], timeout=90)
+    from _mpi import WORKERS, run_mpi      # tests/mpi/conftest.py puts tests/mpi on sys.path
+    run = run_mpi(4, WORKERS / "my_worker.py", ["arg"], timeout=90, env={"X": "1"})
     run.results            # {rank: obj} for every rank that called write_result(obj)
     run.survivors          # sorted ranks that wrote a result
 
@@ -22,6 +22,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from recover_hsdp.collectives.launch import mpi_env as _launch_env
+from recover_hsdp.collectives.launch import mpirun_command
+
+__all__ = ["MpiRun", "MpiTimeout", "OUT_ENV", "REPO", "WORKERS", "mpi_env", "mpirun_command",
+           "run_mpi"]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -48,32 +54,9 @@ class MpiRun:
         return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
 
 
-def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
-    """The mpirun prefix used by run_mpi (also by the collectives benchmark)."""
-    bindir = Path(sys.executable).parent
-    mpirun = bindir / "mpirun"
-    cmd = [str(mpirun) if mpirun.exists() else "mpirun"]
-    if ft:
-        cmd += ["--with-ft", "ulfm"]
-    cmd += ["--oversubscribe", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += ["-n", str(nprocs), *extra_args]
-    return cmd
-
-
 def mpi_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    bindir = str(Path(sys.executable).parent)
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"]
-                                     if env.get("PYTHONPATH") else "")
-    if os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share 2 cores: no intra-op thread pools
-    env.update(extra or {})
-    return env
+    """Ranks import this checkout's recover_hsdp (PYTHONPATH) whether or not it is installed."""
+    return _launch_env(extra, pythonpath=str(REPO))
 
 
 def run_mpi(

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from _mpi import run_mpi`
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from _mpi import run_mpi`
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))  # this checkout's recover_hsdp, installed or not
 
 
 @pytest.fixture(scope="session")

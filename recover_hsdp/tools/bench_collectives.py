@@ -1,0 +1,303 @@
+"""`recover-hsdp bench collectives`: the ulfm backend against gloo and plain MPI, and the cost of
+a failure.
+
+Launches `mpirun --with-ft ulfm` itself (so run it from a plain shell, not under mpirun):
+
+1. all-reduce latency and bandwidth, float32 SUM, message sizes 4 B .. 64 MB on --ranks ranks
+   (default 4): ulfm (UlfmGroup.allreduce: Detect agree + MPI_Allreduce), gloo
+   (dist.all_reduce), and plain MPI_Allreduce through mpi4py, in ONE job, interleaved rep by rep
+   so machine load hits all three alike. A rep's time is the slowest rank's; the table shows the
+   median over --reps reps (after --warmup untimed ones) and the ratios ulfm/mpi, ulfm/gloo.
+2. failure detection + repair: time from a rank's SIGKILL to the survivors' next successful
+   all-reduce (the slowest survivor), median over --kills kills; each 4-rank job kills
+   --kills-per-job ranks one after another (group sizes 4, 3, ...).
+
+Prints a table and writes JSON (--out, default bench/results/collectives.json), machine load
+included: on a shared machine, compare ratios measured in the same run, not absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+BACKENDS = ("mpi", "gloo", "ulfm")
+OUT_ENV = "RECOVER_HSDP_BENCH_OUT"
+MB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------- workers ---
+def _rank() -> int:
+    return int(os.environ["OMPI_COMM_WORLD_RANK"])
+
+
+def _write(obj) -> None:
+    out = Path(os.environ[OUT_ENV])
+    tmp = out / f".rank{_rank()}.tmp"
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(out / f"rank{_rank()}.json")
+
+
+def _worker_allreduce(args) -> None:
+    import mpi4py
+
+    mpi4py.rc.finalize = False  # MPI_Finalize may hang under ULFM (docs/collectives.md)
+    from mpi4py import MPI
+    import torch
+    import torch.distributed as dist
+
+    from recover_hsdp.collectives import UlfmGroup
+
+    torch.set_num_threads(1)
+    rank, world = _rank(), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    mpi_comm = MPI.COMM_WORLD.Dup()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=world)
+    gloo = dist.group.WORLD
+    g = UlfmGroup.world()
+    sizes = [s for s in SIZES if s <= args.max_bytes]
+    times: dict[str, dict[str, list[float]]] = {b: {} for b in BACKENDS}
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        bufs = {b: torch.full((n,), float(rank + 1)) for b in BACKENDS}
+        expect = float(world * (world + 1) // 2)
+        ops = {
+            "mpi": lambda t: mpi_comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
+            "gloo": lambda t: dist.all_reduce(t, group=gloo),
+            "ulfm": lambda t: g.allreduce(t),
+        }
+        reps = args.reps if nbytes < 16 * MB else max(args.min_reps_large, 1)
+        for rep in range(args.warmup + reps):
+            for b in BACKENDS:
+                bufs[b].fill_(float(rank + 1))
+                mpi_comm.Barrier()
+                t0 = time.perf_counter()
+                res = ops[b](bufs[b])
+                dt = time.perf_counter() - t0
+                if b == "ulfm" and not res.ok:
+                    raise RuntimeError(f"ulfm allreduce failed without a failure: {res}")
+                if bufs[b][0].item() != expect:
+                    raise RuntimeError(f"{b} all-reduce of {nbytes} B is wrong: {bufs[b][0]}")
+                if rep >= args.warmup:
+                    times[b].setdefault(str(nbytes), []).append(dt)
+        del bufs
+    _write({"times": times})
+    mpi_comm.Barrier()
+
+
+def _worker_kill(args) -> None:
+    import torch
+
+    from recover_hsdp.collectives import UlfmGroup
+
+    torch.set_num_threads(1)
+    out = Path(os.environ[OUT_ENV])
+    g = UlfmGroup.world()
+    me = _rank()
+    t = torch.ones(16)
+    for _ in range(5):
+        g.allreduce(t)
+    kills = []
+    for k in range(args.kills_per_job):
+        victim = g.global_ranks[-1]
+        size_before = g.size
+        assert g.consensus().ok
+        if me == victim:
+            time.sleep(0.05)  # the survivors are blocked in their next all-reduce by now
+            t_kill = time.monotonic_ns()
+            (out / f"kill{k}.txt").write_text(str(t_kill))
+            os.kill(os.getpid(), signal.SIGKILL)
+        calls, t_fail = 0, None
+        while True:
+            t.fill_(1.0)
+            res = g.allreduce(t)
+            calls += 1
+            if not res.ok:
+                t_fail = time.monotonic_ns()
+                continue
+            if t_fail is not None:
+                t_ok = time.monotonic_ns()
+                break
+        assert t[0].item() == g.size, (t[0].item(), g.size)
+        t_kill = int((out / f"kill{k}.txt").read_text())
+        kills.append({"size_before": size_before, "victim": victim, "calls": calls,
+                      "detect_repair_ms": (t_fail - t_kill) / 1e6,
+                      "to_next_ok_ms": (t_ok - t_kill) / 1e6})
+    _write({"kills": kills})
+
+
+# ----------------------------------------------------------------------------------- parent ---
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nprocs: int, worker_args: list[str], timeout: float) -> dict[int, dict]:
+    from recover_hsdp.collectives.launch import mpi_env, mpirun_command
+
+    out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
+    repo = str(Path(__file__).resolve().parents[2])
+    cmd = mpirun_command(nprocs) + [sys.executable, "-m", "recover_hsdp.tools.bench_collectives",
+                                    *worker_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpi_env({OUT_ENV: str(out)}, pythonpath=repo),
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"benchmark job exceeded {timeout:.0f}s\n{stderr[-2000:]}") from None
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    if not results:
+        msg = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"])
+        raise RuntimeError("benchmark job produced no results: " + msg[-1])
+    return results
+
+
+def _fmt_size(n: int) -> str:
+    for unit, div in (("MB", MB), ("KB", 1 << 10)):
+        if n >= div:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def _bench_allreduce(args) -> dict:
+    worker_args = ["--worker", "allreduce", "--port", str(_free_port()), "--reps",
+                   str(args.reps), "--warmup", str(args.warmup), "--max-bytes",
+                   str(args.max_bytes), "--min-reps-large", str(args.reps)]
+    res = _launch(args.ranks, worker_args, args.timeout)
+    if sorted(res) != list(range(args.ranks)):
+        raise RuntimeError(f"only ranks {sorted(res)} reported")
+    rows = []
+    for nbytes in [s for s in SIZES if s <= args.max_bytes]:
+        row = {"bytes": nbytes}
+        for b in BACKENDS:
+            per_rank = [res[r]["times"][b][str(nbytes)] for r in sorted(res)]
+            per_rep = [max(ts) for ts in zip(*per_rank)]  # a rep ends when the slowest rank does
+            med = statistics.median(per_rep)
+            row[b] = {"median_s": med, "reps": len(per_rep), "min_s": min(per_rep),
+                      "gbps": nbytes / med / 1e9}
+        row["ulfm_over_mpi"] = row["ulfm"]["median_s"] / row["mpi"]["median_s"]
+        row["ulfm_over_gloo"] = row["ulfm"]["median_s"] / row["gloo"]["median_s"]
+        rows.append(row)
+    return {"ranks": args.ranks, "rows": rows}
+
+
+def _bench_kills(args) -> dict:
+    kills = []
+    jobs = (args.kills + args.kills_per_job - 1) // args.kills_per_job
+    for _ in range(jobs):
+        res = _launch(args.ranks, ["--worker", "kill", "--kills-per-job",
+                                   str(args.kills_per_job)], args.timeout)
+        per_kill = list(zip(*[r["kills"] for r in res.values()]))
+        for survivors in per_kill:
+            kills.append({
+                "size_before": survivors[0]["size_before"],
+                "to_next_ok_ms": max(s["to_next_ok_ms"] for s in survivors),
+                "detect_repair_ms": max(s["detect_repair_ms"] for s in survivors),
+            })
+    kills = kills[: args.kills]
+    return {"kills": kills,
+            "median_to_next_ok_ms": statistics.median(k["to_next_ok_ms"] for k in kills),
+            "median_detect_repair_ms": statistics.median(k["detect_repair_ms"] for k in kills)}
+
+
+def _print_report(report: dict) -> None:
+    print(f"# bench collectives  {report['host']}  cpus={report['cpus']}  "
+          f"load(1m) before={report['load_before'][0]:.1f} after={report['load_after'][0]:.1f}")
+    ar = report.get("allreduce")
+    if ar:
+        print(f"\nall-reduce float32 SUM, {ar['ranks']} ranks, median of "
+              f"{ar['rows'][0]['ulfm']['reps']} reps (slowest rank per rep)")
+        print(f"{'size':>8} | {'mpi ms':>9} {'gloo ms':>9} {'ulfm ms':>9} | "
+              f"{'mpi GB/s':>8} {'gloo GB/s':>9} {'ulfm GB/s':>9} | {'ulfm/mpi':>8} "
+              f"{'ulfm/gloo':>9}")
+        for row in ar["rows"]:
+            print(f"{_fmt_size(row['bytes']):>8} | "
+                  + " ".join(f"{row[b]['median_s'] * 1e3:9.3f}" for b in BACKENDS) + " | "
+                  + f"{row['mpi']['gbps']:8.3f} {row['gloo']['gbps']:9.3f} "
+                    f"{row['ulfm']['gbps']:9.3f} | "
+                  + f"{row['ulfm_over_mpi']:8.2f} {row['ulfm_over_gloo']:9.2f}")
+        big = [r for r in ar["rows"] if r["bytes"] >= MB]
+        t1 = all(r["ulfm_over_mpi"] <= 1.10 for r in big)
+        t2 = all(r["ulfm_over_gloo"] <= 1.0 for r in ar["rows"])
+        print(f"target ulfm <= 1.10x mpi at >= 1 MB: {'met' if t1 else 'MISSED'}; "
+              f"ulfm <= gloo at every size: {'met' if t2 else 'MISSED'}")
+    kl = report.get("kills")
+    if kl:
+        print(f"\nfailure: SIGKILL -> survivors' next successful all-reduce, "
+              f"{len(kl['kills'])} kills")
+        print("  per kill (group size before, ms): " + ", ".join(
+            f"{k['size_before']}:{k['to_next_ok_ms']:.1f}" for k in kl["kills"]))
+        print(f"  median {kl['median_to_next_ok_ms']:.1f} ms (detect+repair+record "
+              f"{kl['median_detect_repair_ms']:.1f} ms); target < 50 ms: "
+              f"{'met' if kl['median_to_next_ok_ms'] < 50 else 'MISSED'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="recover-hsdp bench collectives",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--reps", type=int, default=20, help="timed repetitions per size (>= 20)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-bytes", type=int, default=64 * MB)
+    p.add_argument("--kills", type=int, default=10)
+    p.add_argument("--kills-per-job", type=int, default=2)
+    p.add_argument("--skip", choices=["allreduce", "kills"], action="append", default=[])
+    p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun job")
+    p.add_argument("--out", default="bench/results/collectives.json")
+    # worker mode (the parent launches these under mpirun)
+    p.add_argument("--worker", choices=["allreduce", "kill"], help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--min-reps-large", type=int, default=20, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker == "allreduce":
+        _worker_allreduce(args)
+        return 0
+    if args.worker == "kill":
+        _worker_kill(args)
+        return 0
+    if args.ranks - args.kills_per_job < 2:
+        p.error("--kills-per-job must leave at least 2 survivors")
+
+    from recover_hsdp.collectives.errors import EXIT_UNAVAILABLE
+
+    report: dict = {
+        "command": "recover-hsdp bench collectives " + " ".join(argv or sys.argv[1:]),
+        "host": platform.node(), "cpus": os.cpu_count(), "load_before": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    try:
+        if "allreduce" not in args.skip:
+            report["allreduce"] = _bench_allreduce(args)
+        if "kills" not in args.skip:
+            report["kills"] = _bench_kills(args)
+    except RuntimeError as e:
+        print(f"recover-hsdp bench collectives: {str(e).strip().splitlines()[-1]}",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    report["load_after"] = os.getloadavg()
+    _print_report(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
