@@ -81,7 +81,7 @@ def run_worker(cfg: Any) -> int:
     steps = int(run["steps"])
     seed = int(run.get("seed", 0))
     run_dir = Path(run["output_dir"])
-    torch.set_num_threads(int(run.get("threads", 1) or 1))
+    torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
 
     data_cfg = _data_config(c["data"], par)
     tok = load_tokenizer(data_cfg.tokenizer)
@@ -109,7 +109,7 @@ def run_worker(cfg: Any) -> int:
         shard_timeout_s=run.get("shard_timeout_s"))
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
-        W, S, G, n_buckets, steps=steps, base_dir=run.get("config_dir"))
+        W, S, G, n_buckets, steps=steps, base_dir=None)
     recorder = RunRecorder(run_dir, mgr.rank, mgr.replica, mgr.shard_index,
                            params_every=int(run.get("save_params_every", 1) or 0) or 10**9,
                            final_step=steps - 1)
