@@ -152,36 +152,47 @@ def bench_debug(args, machine_gbps: float) -> dict:
     def microbatch(x, y):
         next_token_loss(model(x), y).backward()
 
+    cpu: dict[str, list[float]] = {"step": [], "fire": [], "orch": []}
+
     def step(with_orch: bool) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        t_orch = 0.0
+        t0, c0 = time.perf_counter(), time.process_time()
+        t_orch = c_orch = c_fire = 0.0
         if with_orch:
-            a = time.perf_counter()
+            a, ac = time.perf_counter(), time.process_time()
             orch.begin_iteration()
             t_orch += time.perf_counter() - a
+            c_orch += time.process_time() - ac
         for b in buckets:
             b.zero_()
         for x, y in batches:
             microbatch(x, y)
         if with_orch:
-            a = time.perf_counter()
+            a, ac = time.perf_counter(), time.process_time()
             for b in buckets:
                 orch.enqueue_bucket(b)
-            orch.fire_deferred_allreduces()
+            orch.fire_deferred_allreduces()  # snapshots + (loopback) reductions
+            c_fire = time.process_time() - ac
             orch.consensus()
             t_orch += time.perf_counter() - a
+            c_orch += time.process_time() - ac
         for b in buckets:
             b.div_(G)
         opt.step()
         if with_orch:
-            a = time.perf_counter()
+            a, ac = time.perf_counter(), time.process_time()
             orch.after_successful_commit()
             t_orch += time.perf_counter() - a
+            c_orch += time.process_time() - ac
+            cpu["step"].append(time.process_time() - c0)
+            cpu["fire"].append(c_fire)
+            cpu["orch"].append(c_orch)
         return time.perf_counter() - t0, t_orch
 
     for _ in range(2):
         step(True)
         step(False)
+    for v in cpu.values():
+        v.clear()
     plain, with_o, orch_t, snap_t = [], [], [], []
     for _ in range(args.steps):  # interleaved, so load changes hit both alike
         s0 = orch.stats.snapshot_s
@@ -240,6 +251,13 @@ def bench_debug(args, machine_gbps: float) -> dict:
         "snapshot_plus_rewind_fraction": (snap_s + rewind) / step_s,
         "snapshot_gbps": grad_bytes / snap_s / 1e9 if snap_s else None,
         "rewind_gbps": grad_bytes / rewind / 1e9, "machine_copy_gbps": machine_gbps,
+        # process CPU seconds (all threads): insensitive to being descheduled on a loaded box
+        "cpu_step_s": _stat(cpu["step"]), "cpu_fire_s": _stat(cpu["fire"]),
+        "cpu_orchestration_s": _stat(cpu["orch"]),
+        "cpu_fire_fraction_median": statistics.median(
+            f / t for f, t in zip(cpu["fire"], cpu["step"]) if t > 0),
+        "cpu_orchestration_fraction_median": statistics.median(
+            o / t for o, t in zip(cpu["orch"], cpu["step"]) if t > 0),
         "snapshot_bytes": orch.snapshot_nbytes(), "grad_bytes": grad_bytes,
         "extra_bytes_per_param": orch.snapshot_nbytes() / n_params,
         "snapshot_allocations": orch.store.allocations,
@@ -378,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  all orchestration calls     {_fmt(d['orchestration_s'])}  "
           f"{100 * d['orchestration_fraction']:.3f}% of the step (paired median "
           f"{100 * d['orchestration_fraction_paired_median']:.3f}%)")
+    print(f"  CPU time: step {d['cpu_step_s']['median'] * 1e3:.1f} ms, fire (snapshots) "
+          f"{100 * d['cpu_fire_fraction_median']:.3f}%, all orchestration "
+          f"{100 * d['cpu_orchestration_fraction_median']:.3f}% of the step's CPU (medians)")
     print(f"  rewind (all buckets)        {_fmt(d['rewind_s'])}  "
           f"snapshot+rewind {100 * d['snapshot_plus_rewind_fraction']:.3f}% of the step")
     print(f"  extra memory                {d['snapshot_bytes']:,} B = "
