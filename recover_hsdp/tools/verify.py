@@ -4,6 +4,7 @@
     recover-hsdp verify runs/demo --quiet --every 50 --json verify.json
     recover-hsdp verify runs/demo --atol 1e-5        # fixed tolerance instead of the derived one
     recover-hsdp verify runs/demo --records-only     # record invariants only (no torch replay)
+    recover-hsdp verify runs/demo --no-anchor        # one trajectory from the init, never re-synced
 
 Exit status: 0 verified; 1 the run violates the contract (a record invariant, or parameters
 differ beyond the tolerance: the first failing step is named); 2 the run directory cannot be
@@ -45,9 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"C of the derived element tolerance (default {DEFAULT_C:g})")
     p.add_argument("--c-rms", type=float, default=DEFAULT_C_RMS,
                    help=f"C_RMS of the derived RMS tolerance (default {DEFAULT_C_RMS:g})")
-    p.add_argument("--anchor", action="store_true",
-                   help="continue the replay from the run's parameters after each snapshot "
-                        "that passes (long runs: honest divergence cannot accumulate)")
+    p.add_argument("--no-anchor", dest="anchor", action="store_false",
+                   help="replay the whole run from the initial parameters alone (default: "
+                        "continue from the run's parameters after each snapshot that passes)")
     p.add_argument("--rel-floor", type=float, default=DEFAULT_REL_FLOOR,
                    help=f"max_rel = |diff| / max(|expected|, floor) (default {DEFAULT_REL_FLOOR:g})")
     p.add_argument("--one-copy", action="store_true",

@@ -272,16 +272,18 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                c: float = DEFAULT_C, c_rms: float = DEFAULT_C_RMS,
                rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
                device: str = "cpu", until: int | None = None, records_only: bool = False,
-               anchor: bool = False, all_copies: bool = True,
+               anchor: bool = True, all_copies: bool = True,
                on_step: Callable[[StepReport], None] | None = None,
                on_note: Callable[[str], None] | None = None,
                on_header: Callable[[str], None] | None = None) -> VerifyResult:
     """Verify a run directory; never raises for a bad run (see ``VerifyResult.exit_code``).
 
     atol / rms_atol: fixed element / per-flat-parameter RMS tolerances instead of the derived
-    ones (c, c_rms; ``tolerance.py``). anchor: after each snapshot that passes, continue the
-    replay from the run's saved parameters (the optimizer state stays the replay's) and restart
-    the tolerance window, so honest divergence cannot accumulate over a long run.
+    ones (c, c_rms; ``tolerance.py``). anchor (default): after each snapshot that passes,
+    continue the replay from the run's saved parameters (the optimizer state stays the replay's)
+    and restart the tolerance window, so honest fp32 divergence is never amplified by the
+    training dynamics over more than one snapshot interval (docs/verify.md, "Anchoring");
+    anchor=False replays the whole run from the initial parameters alone.
     all_copies=False: compare only the lowest replica's copy of each shard (large runs).
     """
     t0 = time.perf_counter()
@@ -386,6 +388,15 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     if not saved & committed:
         note("no parameter snapshot of any committed step: only the records and the init are "
              "checked")
+    snaps = sorted(saved & committed)
+    gap = max((b - a for a, b in zip([-1] + snaps, snaps + [max(steps)])), default=0)
+    if gap > 1:
+        note(f"parameter snapshots are up to {gap} steps apart: "
+             + ("differences are judged over windows that long; " if anchor else
+                "the replay is never re-synchronised (--no-anchor); ")
+             + "an unstable phase of training (loss spike) can amplify honest fp32 "
+               "differences past the tolerance within a window. For a reliable verdict "
+               "save every step (run.save_params_every=1)")
     max_param = max(float(p.detach().abs().max()) for p in params)
     tol.floor = ulp_floor(max_param)
     result.tolerance = tol.describe() + ("; anchored at each snapshot" if anchor else "")

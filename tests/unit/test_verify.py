@@ -133,12 +133,25 @@ def test_wrong_gradient_fails_at_its_step_far_above_tolerance(data, tmp_path, ca
     assert bad["max_rms"] > 100 * res["steps"][0]["max_rms"], res["steps"][:2]
 
 
-def test_anchored_mode(good, data, tmp_path):
-    assert verify_run(good, anchor=True).ok
+def test_unanchored_mode(good, data, tmp_path):
+    res = verify_run(good, anchor=False)
+    assert res.ok and "anchored" not in res.tolerance, res.message
     run = write_synthetic_run(tmp_path / "r", _spec(data, steps=2, corruptions=(
         Corruption("stale_buckets", 1, buckets=(0,)),)))
-    res = verify_run(run, anchor=True)
+    res = verify_run(run, anchor=False)
     assert res.exit_code == 1 and res.failed_step == 1, res.message
+
+
+def test_anchoring_uses_the_runs_parameters(copy):
+    # an offset (below tolerance) in every copy of step 1's snapshot: the anchored replay
+    # continues from it, so step 2 differs from the run's (untouched) step 2 by the offset; the
+    # plain replay never reads it and matches step 2 as closely as ever
+    for r in (0, 2, 3):                      # replica 1 died in step 1
+        _tamper(copy, 1, 0, r, 0, 1e-5)
+    anchored, plain = verify_run(copy), verify_run(copy, anchor=False)
+    assert anchored.ok and plain.ok, (anchored.message, plain.message)
+    assert anchored.reports[1].max_abs >= 9e-6 and plain.reports[1].max_abs >= 9e-6
+    assert anchored.reports[2].max_abs >= 9e-6 > 5e-6 > plain.reports[2].max_abs
 
 
 # ------------------------------------------------------------------------------- wrong record
