@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                         "continue from the run's parameters after each snapshot that passes)")
     p.add_argument("--rel-floor", type=float, default=DEFAULT_REL_FLOOR,
                    help=f"max_rel = |diff| / max(|expected|, floor) (default {DEFAULT_REL_FLOOR:g})")
+    p.add_argument("--envelope", type=float, default=None, metavar="K",
+                   help="also replay a twin in the HSDP summation order and widen each "
+                        "tolerance to K times the twin's difference (sparse snapshots, "
+                        "unstable training; twice the compute; K=10 is a sensible value)")
     p.add_argument("--one-copy", action="store_true",
                    help="compare only the lowest replica's copy of each shard (default: every "
                         "surviving replica's copy, and check that they agree)")
@@ -86,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         if args.every is not None and args.every < 1:
             raise _UsageError("--every must be >= 1")
+        if args.envelope is not None and not args.envelope > 0:
+            raise _UsageError("--envelope must be > 0")
         if args.until is not None and args.until < 0:
             raise _UsageError("--until must be >= 0")
     except _UsageError as e:
@@ -107,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = verify_run(args.run_dir, atol=args.atol, rtol=args.rtol, c=args.c,
                             c_rms=args.c_rms, rms_atol=args.rms_tol, rel_floor=args.rel_floor,
                             device=args.device, until=args.until, anchor=args.anchor,
-                            all_copies=not args.one_copy,
+                            all_copies=not args.one_copy, envelope=args.envelope,
                             records_only=args.records_only, on_step=on_step, on_note=on_note,
                             on_header=lambda text: print(text, file=out, flush=True))
     except KeyboardInterrupt:

@@ -53,6 +53,7 @@ class StepReport:
     max_rms: float | None = None          # largest RMS difference of one flat parameter
     rms_tol: float | None = None
     reason: str | None = None             # element | rms | copies (when not ok)
+    envelope: tuple | None = None         # (max_abs, max_rms) of the HSDP-order twin (--envelope)
     ok: bool = True
     where: str | None = None              # location of max_abs: "shard j, param fqn[idx]"
     seconds: float = 0.0
@@ -272,7 +273,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                c: float = DEFAULT_C, c_rms: float = DEFAULT_C_RMS,
                rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
                device: str = "cpu", until: int | None = None, records_only: bool = False,
-               anchor: bool = True, all_copies: bool = True,
+               anchor: bool = True, all_copies: bool = True, envelope: float | None = None,
                on_step: Callable[[StepReport], None] | None = None,
                on_note: Callable[[str], None] | None = None,
                on_header: Callable[[str], None] | None = None) -> VerifyResult:
@@ -285,6 +286,9 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
     training dynamics over more than one snapshot interval (docs/verify.md, "Anchoring");
     anchor=False replays the whole run from the initial parameters alone.
     all_copies=False: compare only the lowest replica's copy of each shard (large runs).
+    envelope=K: also replay a twin in the HSDP summation order (S row slices per microbatch,
+    per-replica partial sums, reverse replica order) and widen each tolerance to K times the
+    twin-vs-replay difference: an empirical envelope of honest divergence (twice the compute).
     """
     t0 = time.perf_counter()
     result = VerifyResult(run_dir=str(run_dir), ok=False, exit_code=EXIT_ERROR, message="")
@@ -298,7 +302,8 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
         _verify(Path(run_dir), result, note, tol=Tolerance(c=c, c_rms=c_rms, atol=atol,
                                                             rms_atol=rms_atol, rtol=rtol),
                 rel_floor=rel_floor, device=device, until=until, records_only=records_only,
-                anchor=anchor, all_copies=all_copies, on_step=on_step, on_header=on_header)
+                anchor=anchor, all_copies=all_copies, envelope=envelope, on_step=on_step,
+                on_header=on_header)
     except _Failed as f:
         result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
         result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
@@ -313,7 +318,8 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
 
 
 def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
-            until, records_only, anchor, all_copies, on_step, on_header=None) -> None:
+            until, records_only, anchor, all_copies, on_step, on_header=None,
+            envelope=None) -> None:
     spec = RunSpec.load(run_dir)
     record = spec.record
     steps = record.steps
@@ -336,7 +342,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     import torch
 
     from recover_hsdp.data import Tokenizer, build_microbatch_source
-    from recover_hsdp.model import build_model, next_token_loss
+    from recover_hsdp.model import build_model
     from recover_hsdp.optim import build_optimizer, lr_at, set_lr
 
     if spec.ignored_keys:
@@ -374,6 +380,12 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     model.train()
     optimizer = build_optimizer(model.named_parameters(), spec.optim_cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+    twin = None
+    if envelope:
+        twin_model = build_model(spec.model_cfg, seed=spec.seed, device=dev)
+        twin_model.train()
+        twin = (twin_model, build_optimizer(twin_model.named_parameters(), spec.optim_cfg),
+                [p for p in twin_model.parameters() if p.requires_grad])
     comparator = _Comparator(spec, rel_floor, all_copies)
     covered = {slot.fqn for fl in spec.layout for slot in fl.params}
     uncovered = [n for n, _ in model.named_parameters() if n not in covered]
@@ -396,10 +408,14 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                 "the replay is never re-synchronised (--no-anchor); ")
              + "an unstable phase of training (loss spike) can amplify honest fp32 "
                "differences past the tolerance within a window. For a reliable verdict "
-               "save every step (run.save_params_every=1)")
+               "save every step (run.save_params_every=1)"
+             + ("" if envelope else ", or widen the tolerance to the measured honest "
+                                    "divergence with --envelope 10"))
     max_param = max(float(p.detach().abs().max()) for p in params)
     tol.floor = ulp_floor(max_param)
-    result.tolerance = tol.describe() + ("; anchored at each snapshot" if anchor else "")
+    result.tolerance = (tol.describe() + ("; anchored at each snapshot" if anchor else "")
+                        + (f"; at least {envelope:g}x the HSDP-order twin's difference"
+                           if envelope else ""))
     n_snap = len(saved & committed)
     result.header = (f"verify {run_dir}: W_init={spec.w_init} G_init={spec.g_init} B={spec.B} "
                      f"S={spec.shard_size} policy={spec.policy} steps={len(steps)} "
@@ -422,65 +438,59 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     for s in range(0, last + 1):
         t1 = time.perf_counter()
         rec = steps[s]
-        optimizer.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            for r in sorted(rec.contributions):
-                src = source(r)
-                for mb_id in rec.contributions[r]:
-                    try:
-                        x, y = src.get(mb_id)
-                    except Exception as e:  # noqa: BLE001
-                        raise VerifyInputError(f"step {s}: microbatch {mb_id} (replica {r}): "
-                                               f"{type(e).__name__}: {e}") from None
-                    x, y = x.to(dev), y.to(dev)
-                    loss = next_token_loss(model(x), y,
-                                           tokens_per_microbatch=spec.tokens_per_microbatch)
-                    loss.backward()
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(rec.divisor)
+        _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, s)
         lr = float(lr_at(s, spec.optim_cfg))
-        set_lr(optimizer, lr)
-        optimizer.step()
+        if twin is not None:
+            _replay_step(twin[0], twin[1], twin[2], rec, source, dev, spec, lr_at, set_lr, s,
+                         hsdp_order=True)
         tol.add_step(lr)
+        el_tol, bulk_tol, env = tol.element, tol.bulk, None
+        if twin is not None and s in saved:
+            env = _envelope(model, twin[0], spec.layout)
+            if tol.atol is None:
+                el_tol = max(el_tol, envelope * env[0])
+            if tol.rms_atol is None:
+                bulk_tol = max(bulk_tol, envelope * env[1])
         if s in saved:
-            rep = comparator.compare(model, s, tol.element, tol.rtol, tol.bulk)
+            rep = comparator.compare(model, s, el_tol, tol.rtol, bulk_tol)
+            rep.envelope = env
             result.steps_compared += 1
             result.max_abs = max(result.max_abs, rep.max_abs or 0.0)
             result.max_rel = max(result.max_rel, rep.max_rel or 0.0)
             result.max_rms = max(result.max_rms, rep.max_rms or 0.0)
         else:
-            rep = StepReport(step=s, tol=tol.element, rms_tol=tol.bulk)
+            rep = StepReport(step=s, tol=el_tol, rms_tol=bulk_tol)
         rep.microbatches = rec.microbatches
         rep.replicas = sum(1 for ids in rec.contributions.values() if ids)
         rep.divisor, rep.lr = rec.divisor, lr
         rep.seconds = time.perf_counter() - t1
         result.reports.append(rep)
         result.steps_replayed += 1
-        result.tol, result.rms_tol = tol.element, tol.bulk
+        result.tol, result.rms_tol = el_tol, bulk_tol
         if on_step is not None:
             on_step(rep)
         if not rep.ok:
             if rep.reason == "rms":
                 what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)}, "
-                        f"tol {_fmt(tol.element)}")
+                        f"tol {_fmt(el_tol)}")
             elif rep.reason == "copies":
-                what = f"step {s} ({rep.where}): tol {_fmt(tol.element)}"
+                what = f"step {s} ({rep.where}): tol {_fmt(el_tol)}"
             else:
                 what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
-                        f"{_fmt(tol.element)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
+                        f"{_fmt(el_tol)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
                                                   else ""))
-                if rep.max_rms is not None and rep.max_rms > tol.bulk:
-                    what += f"; flat-param RMS {_fmt(rep.max_rms)} > rms_tol {_fmt(tol.bulk)}"
+                if rep.max_rms is not None and rep.max_rms > bulk_tol:
+                    what += f"; flat-param RMS {_fmt(rep.max_rms)} > rms_tol {_fmt(bulk_tol)}"
                 elif rep.max_rms is not None:
                     what += (f" (flat-param RMS {_fmt(rep.max_rms)} within rms_tol "
-                             f"{_fmt(tol.bulk)}: an isolated element, see docs/verify.md)")
+                             f"{_fmt(bulk_tol)}: an isolated element, see docs/verify.md)")
             raise _Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
                                     "where": rep.where, "max_abs": rep.max_abs,
                                     "max_rel": rep.max_rel, "max_rms": rep.max_rms,
-                                    "tol": tol.element, "rms_tol": tol.bulk})
+                                    "tol": el_tol, "rms_tol": bulk_tol})
         if anchor and rep.compared and comparator.load_into(model, s):
+            if twin is not None:
+                comparator.load_into(twin[0], s)
             tol.reset_window()
     result.ok, result.exit_code = True, EXIT_OK
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
@@ -488,3 +498,76 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                       f"compared={result.steps_compared}  max_abs={result.max_abs:.3g}  "
                       f"max_rel={result.max_rel:.3g}  max_rms={result.max_rms:.3g}  "
                       f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}{partial}")
+
+
+def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, step,
+                 hsdp_order: bool = False) -> None:
+    """One committed step: sum of the recorded microbatches' gradients / divisor, AdamW step.
+
+    Replay order: replica-ascending, id order, each microbatch's S*mbs rows at once, accumulated
+    in ``.grad``. ``hsdp_order`` (the envelope twin): each microbatch as S row slices of mbs
+    rows, summed per replica, the replicas' partial sums added in reverse order (as the run)."""
+    import torch
+
+    from recover_hsdp.model import next_token_loss
+
+    def get(r, mb_id):
+        try:
+            x, y = source(r).get(mb_id)
+        except VerifyInputError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise VerifyInputError(f"step {step}: microbatch {mb_id} (replica {r}): "
+                                   f"{type(e).__name__}: {e}") from None
+        return x.to(dev), y.to(dev)
+
+    norm = spec.tokens_per_microbatch
+    optimizer.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        if not hsdp_order:
+            for r in sorted(rec.contributions):
+                for mb_id in rec.contributions[r]:
+                    x, y = get(r, mb_id)
+                    next_token_loss(model(x), y, tokens_per_microbatch=norm).backward()
+        else:
+            total = [torch.zeros_like(p) for p in params]
+            for r in sorted(rec.contributions, reverse=True):
+                acc = [torch.zeros_like(p) for p in params]
+                for mb_id in rec.contributions[r]:
+                    x, y = get(r, mb_id)
+                    for j in range(spec.shard_size):
+                        rows = slice(j * spec.mbs, (j + 1) * spec.mbs)
+                        loss = next_token_loss(model(x[rows]), y[rows],
+                                               tokens_per_microbatch=norm)
+                        for a, g in zip(acc, torch.autograd.grad(loss, params,
+                                                                 allow_unused=True)):
+                            if g is not None:
+                                a.add_(g)
+                for t, a in zip(total, acc):
+                    t.add_(a)
+            for p, t in zip(params, total):
+                p.grad = t
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(rec.divisor)
+    set_lr(optimizer, float(lr_at(step, spec.optim_cfg)))
+    optimizer.step()
+
+
+def _envelope(model, twin, layout) -> tuple[float, float]:
+    """(max |diff|, max over flat params of RMS diff) between the replay and its twin."""
+    a = dict(model.state_dict(keep_vars=True))
+    b = dict(twin.state_dict(keep_vars=True))
+    max_abs, max_rms = 0.0, 0.0
+    for fl in layout:
+        sq, n = 0.0, 0
+        for slot in fl.params:
+            d = (a[slot.fqn].detach().float() - b[slot.fqn].detach().float()).abs()
+            if d.numel():
+                max_abs = max(max_abs, float(d.max()))
+                sq += float(d.double().square().sum())
+                n += d.numel()
+        if n:
+            max_rms = max(max_rms, math.sqrt(sq / n))
+    return max_abs, max_rms

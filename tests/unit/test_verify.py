@@ -243,3 +243,13 @@ def test_init_mismatch_is_reported_as_such(copy, capsys):
 def test_one_copy_mode(good):
     res = verify_run(good, all_copies=False)
     assert res.ok and all(r.copies == S and r.copies_max_diff is None for r in res.reports)
+
+
+def test_envelope_mode(good, data, tmp_path):
+    res = verify_run(good, envelope=10)
+    env = [r.envelope for r in res.reports]
+    assert res.ok and all(e is not None and e[1] < r.rms_tol for e, r in zip(env, res.reports))
+    run = write_synthetic_run(tmp_path / "r", _spec(data, steps=2, corruptions=(
+        Corruption("stale_buckets", 1, buckets=(1,)),)))
+    res = verify_run(run, envelope=10)
+    assert res.exit_code == 1 and res.failed_step == 1, res.message
