@@ -153,8 +153,16 @@ class HSDPULFMTrainingManager:
                                         restore_enabled=restore_enabled, log=self.log)
 
     def set_failure_schedule(self, schedule, before_kill=None) -> None:
-        """Install the failure simulator's schedule (validated by the caller)."""
-        self.injector = FailureInjector(schedule or [], self.replica, self.shard_index,
+        """Install the failure simulator's schedule: a FailureSchedule, or a list of entries
+        ({step, replica, local_rank, location, microbatch|bucket}), validated here against this
+        job (ScheduleError names the bad entry)."""
+        from recover_hsdp.faults import FailureSchedule
+
+        if not isinstance(schedule, FailureSchedule):
+            schedule = FailureSchedule.from_list(list(schedule or []))
+        schedule.validate(self.topo.replicas, self.S, start_step=self.step,
+                          n_buckets=len(fh.grad_shard_names(self.module)))
+        self.injector = FailureInjector(schedule, self.replica, self.shard_index,
                                         before_kill=before_kill, verbose=True)
 
     # --- helpers --------------------------------------------------------------------------
