@@ -80,6 +80,31 @@ class DataBuffer {
   bool copy_back_ = false;
 };
 
+// MPI_Comm_create_group over `parent` for the members with these MPI_COMM_WORLD ranks (group
+// rank i = world_ranks[i]); collective over the members only. Open MPI refuses it
+// (MPI_ERR_PROC_FAILED) when `parent` holds a failed process, even one outside the group: on
+// MPI_COMM_WORLD that means once any rank of the job has died. Build subgroups of a repaired
+// group instead (UlfmComm::subgroup), or repair in place. On a failure-class error the parent is
+// revoked, so members still inside the call are released and the parent's next Detect repairs.
+MPI_Comm createGroupComm(MPI_Comm parent, const std::vector<int64_t>& world_ranks) {
+  std::vector<int> ranks_int(world_ranks.begin(), world_ranks.end());
+  MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+  MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  MPI_CHECK(MPI_Group_incl(world_group, static_cast<int>(ranks_int.size()), ranks_int.data(),
+                           &group));
+  MPI_Comm comm = MPI_COMM_NULL;
+  const int rc = MPI_Comm_create_group(parent, group, kCreateGroupTag, &comm);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  if (rc != MPI_SUCCESS) {
+    if (isFailureClass(mpiErrorClass(rc)) && parent != MPI_COMM_WORLD) {
+      MPIX_Comm_revoke(parent);
+    }
+    throwMpiError(rc, "MPI_Comm_create_group", __FILE__, __LINE__);
+  }
+  return comm;
+}
+
 void checkDense(const at::Tensor& t, const char* op) {
   if (!t.defined()) {
     throw std::invalid_argument(std::string("ulfm ") + op + ": undefined tensor");
@@ -131,20 +156,29 @@ std::shared_ptr<UlfmComm> UlfmComm::world() {
   return std::shared_ptr<UlfmComm>(new UlfmComm(dup, std::move(ranks)));
 }
 
-std::shared_ptr<UlfmComm> UlfmComm::fromRanks(const std::vector<int64_t>& world_ranks) {
-  ensureMpi();
+namespace {
+
+// Rank-list checks shared by fromRanks and subgroup: ranks exist, are unique, include the caller
+// and (for a subgroup) belong to the parent.
+void validateRanks(const std::vector<int64_t>& world_ranks, const std::vector<int64_t>* parent) {
   int wsize = 0, wrank = 0;
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &wsize));
   MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &wrank));
   if (world_ranks.empty()) {
     throw std::invalid_argument("ulfm group: empty rank list");
   }
-  std::vector<int64_t> missing;
+  std::vector<int64_t> missing, outside;
   std::unordered_set<int64_t> seen;
+  std::unordered_set<int64_t> in_parent;
+  if (parent) {
+    in_parent.insert(parent->begin(), parent->end());
+  }
   bool member = false;
   for (int64_t r : world_ranks) {
     if (r < 0 || r >= wsize) {
       missing.push_back(r);
+    } else if (parent && !in_parent.count(r)) {
+      outside.push_back(r);
     }
     if (!seen.insert(r).second) {
       throw std::invalid_argument("ulfm group: rank " + std::to_string(r) +
@@ -152,35 +186,47 @@ std::shared_ptr<UlfmComm> UlfmComm::fromRanks(const std::vector<int64_t>& world_
     }
     member = member || r == wrank;
   }
-  if (!missing.empty()) {
+  auto join = [](const std::vector<int64_t>& v) {
     std::string s;
-    for (int64_t r : missing) {
+    for (int64_t r : v) {
       s += (s.empty() ? "" : ", ") + std::to_string(r);
     }
-    throw UlfmUnavailable("ulfm group: rank(s) " + s + " do not exist (MPI world size is " +
-                          std::to_string(wsize) + ")");
+    return s;
+  };
+  if (!missing.empty()) {
+    throw UlfmUnavailable("ulfm group: rank(s) " + join(missing) +
+                          " do not exist (MPI world size is " + std::to_string(wsize) + ")");
+  }
+  if (!outside.empty()) {
+    throw std::invalid_argument("ulfm subgroup: rank(s) " + join(outside) +
+                                " are not members of the parent group (members: " +
+                                join(*parent) + ")");
   }
   if (!member) {
     throw std::invalid_argument("ulfm group: the calling rank " + std::to_string(wrank) +
-                                " is not in the rank list (from_ranks is collective over "
+                                " is not in the rank list (group creation is collective over "
                                 "the members only)");
   }
+}
+
+} // namespace
+
+std::shared_ptr<UlfmComm> UlfmComm::fromRanks(const std::vector<int64_t>& world_ranks) {
+  ensureMpi();
+  validateRanks(world_ranks, nullptr);
   auto g = std::unique_lock<std::mutex>();
   if (needGlobalMpiLock()) {
     g = std::unique_lock<std::mutex>(g_mpi_mutex);
   }
-  std::vector<int> ranks_int(world_ranks.begin(), world_ranks.end());
-  MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
-  MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
-  MPI_CHECK(MPI_Group_incl(world_group, static_cast<int>(ranks_int.size()), ranks_int.data(),
-                           &group));
-  MPI_Comm comm = MPI_COMM_NULL;
-  const int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, kCreateGroupTag, &comm);
-  MPI_Group_free(&group);
-  MPI_Group_free(&world_group);
-  if (rc != MPI_SUCCESS) {
-    throwMpiError(rc, "MPI_Comm_create_group", __FILE__, __LINE__);
-  }
+  MPI_Comm comm = createGroupComm(MPI_COMM_WORLD, world_ranks);
+  return std::shared_ptr<UlfmComm>(new UlfmComm(comm, world_ranks));
+}
+
+std::shared_ptr<UlfmComm> UlfmComm::subgroup(const std::vector<int64_t>& world_ranks) {
+  std::lock_guard<std::mutex> lk(mu_);
+  validateRanks(world_ranks, &world_ranks_);
+  auto g = lockGlobal();
+  MPI_Comm comm = createGroupComm(comm_, world_ranks);
   return std::shared_ptr<UlfmComm>(new UlfmComm(comm, world_ranks));
 }
 

@@ -44,9 +44,16 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   // Duplicate of MPI_COMM_WORLD (collective over every MPI rank).
   static std::shared_ptr<UlfmComm> world();
   // Communicator over the given MPI_COMM_WORLD ranks, group rank i = world_ranks[i]; collective
-  // over those ranks only (MPI_Comm_create_group). Throws UlfmUnavailable for ranks that do not
-  // exist, std::invalid_argument for duplicates or when the caller is not a member.
+  // over those ranks only (MPI_Comm_create_group on MPI_COMM_WORLD). Throws UlfmUnavailable for
+  // ranks that do not exist, std::invalid_argument for duplicates or when the caller is not a
+  // member, UlfmError (MPI_ERR_PROC_FAILED) once any rank of the job has died: Open MPI refuses
+  // to create communicators from a parent holding a failed process. After failures use
+  // subgroup() of a repaired group, or repair groups in place.
   static std::shared_ptr<UlfmComm> fromRanks(const std::vector<int64_t>& world_ranks);
+  // The same over this communicator (current members only): works after failures as long as
+  // this group is repaired (its last call passed Detect). Collective over the new members only.
+  // On a failure-class error this group is revoked (its next call repairs) and UlfmError raised.
+  std::shared_ptr<UlfmComm> subgroup(const std::vector<int64_t>& world_ranks);
 
   ~UlfmComm();
   UlfmComm(const UlfmComm&) = delete;

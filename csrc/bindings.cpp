@@ -55,6 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.attr("BUILT_TORCH_VERSION") = kBuiltTorchVersion;
   m.attr("HAVE_ULFM") = libraryHasUlfm();
+  m.attr("ERR_PROC_FAILED") = static_cast<int>(MPIX_ERR_PROC_FAILED);
+  m.attr("ERR_REVOKED") = static_cast<int>(MPIX_ERR_REVOKED);
 
   py::class_<FailureRecord>(m, "FailureRecord")
       .def_readonly("ok", &FailureRecord::ok)
@@ -90,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("world", &UlfmComm::world, py::call_guard<py::gil_scoped_release>())
       .def_static("from_ranks", &UlfmComm::fromRanks, py::arg("world_ranks"),
                   py::call_guard<py::gil_scoped_release>())
+      .def("subgroup", &UlfmComm::subgroup, py::arg("world_ranks"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &UlfmComm::rank)
       .def_property_readonly("size", &UlfmComm::size)
       .def_property_readonly("epoch", &UlfmComm::epoch)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from recover_hsdp.collectives._register import BACKEND_NAME, register_backend
 from recover_hsdp.collectives.errors import (
+    ERR_PROC_FAILED,
+    ERR_REVOKED,
     EXIT_UNAVAILABLE,
     UlfmError,
     UlfmUnavailableError,
@@ -20,6 +22,8 @@ from recover_hsdp.collectives.errors import (
 
 __all__ = [
     "BACKEND_NAME",
+    "ERR_PROC_FAILED",
+    "ERR_REVOKED",
     "EXIT_UNAVAILABLE",
     "UlfmError",
     "UlfmGroup",

@@ -16,6 +16,11 @@ from typing import Iterator
 # Exit status of a user-facing entry point when ULFM is unavailable.
 EXIT_UNAVAILABLE = 3
 
+# MPI error classes of a peer failure (Open MPI 5 values of MPIX_ERR_PROC_FAILED and
+# MPIX_ERR_REVOKED; the extension exports the values it was compiled with, checked by the tests).
+ERR_PROC_FAILED = 75
+ERR_REVOKED = 77
+
 
 class UlfmError(RuntimeError):
     """A non-failure MPI error; `error_class` is the MPI error class (MPI_Error_class)."""

@@ -114,13 +114,26 @@ class UlfmGroup:
         """Members = these MPI_COMM_WORLD ranks, group rank i = world_ranks[i].
 
         Collective over the members only (MPI_Comm_create_group): non-members do not call it.
-        Raises UlfmUnavailableError for ranks that do not exist, ValueError for duplicates or
-        when the caller is not a member.
+        Ranks that belong to several groups must create them in the same order. Raises
+        UlfmUnavailableError for ranks that do not exist, ValueError for duplicates or when the
+        caller is not a member, UlfmError(error_class=MPI_ERR_PROC_FAILED) once any rank of the
+        job has died (see `subgroup`, or repair groups in place with `consensus`).
         """
         ranks = [int(r) for r in world_ranks]
         C = _ext.ensure_mpi()
         register_now()
         return cls(C.UlfmComm.from_ranks(ranks))
+
+    def subgroup(self, world_ranks: Iterable[int]) -> "UlfmGroup":
+        """A new group over some current members of this one (MPI_COMM_WORLD ranks, group rank
+        i = world_ranks[i]); collective over those members only. Unlike from_ranks it works after
+        failures, as long as this group has been repaired (its last call passed Detect): Open MPI
+        refuses to create a communicator from a parent holding a failed process, which makes
+        from_ranks fail with UlfmError(MPI_ERR_PROC_FAILED) once any rank of the job died. If a
+        failure interrupts the creation this group is revoked (its next call repairs) and
+        UlfmError is raised."""
+        ranks = [int(r) for r in world_ranks]
+        return type(self)(self._comm.subgroup(ranks))
 
     @classmethod
     def of(cls, pg: "dist.ProcessGroup") -> "UlfmGroup":

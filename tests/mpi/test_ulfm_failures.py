@@ -15,6 +15,8 @@ import pytest
 
 from _mpi import WORKERS, run_mpi
 
+from recover_hsdp.collectives.errors import ERR_PROC_FAILED
+
 SCEN = WORKERS / "ulfm_scenarios.py"
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("ulfm_ready")]
 
@@ -154,9 +156,17 @@ def test_kill_points_before_during_after_rank0_and_two_in_one_call():
         {"victims": {"0": "detect"}, "op": "consensus"},    # inside a consensus; global rank 0
         {"victims": {"1": "before", "3": "record"}},        # two in one call, one mid-Record
     ]
-    run = launch(8, "chain", {"stages": stages}, timeout=190)
+    run = launch(8, "chain", {"stages": stages, "after_failures": True}, timeout=190)
     assert run.survivors == [2, 4], run.tail()
     check_chain(run, [list(range(8))], stages)
+    for k, r in run.results.items():
+        # once ranks died, MPI_COMM_WORLD cannot parent new groups: a clean typed error ...
+        for err in (r["from_ranks_error"], r["world_error"]):
+            assert err["type"] == "UlfmError" and err["error_class"] == ERR_PROC_FAILED, err
+        # ... while a repaired group can
+        assert r["subgroup"] == {"global_ranks": [4, 2], "rank": [4, 2].index(k), "ok": True,
+                                 "value": 8.0}
+        assert r["after_subgroup"]["ok"]
     # the mid-Record death made the call repair twice: epoch 5 -> ... one per repair
     last = run.results[2]["stages"][4]["first"]
     assert last["failed_ranks"] == [1, 3] and last["epoch"] == run.results[2]["stages"][4][

@@ -167,6 +167,15 @@ def test_errors_are_typed_and_one_line(capsys):
     assert err == "prog: first line second line\n"
 
 
+@needs_ext
+def test_error_class_constants_match_the_library():
+    import recover_hsdp._C as C
+    from recover_hsdp.collectives import ERR_PROC_FAILED, ERR_REVOKED
+
+    assert (C.ERR_PROC_FAILED, C.ERR_REVOKED) == (ERR_PROC_FAILED, ERR_REVOKED)
+    assert C.HAVE_ULFM
+
+
 def test_version_check_names_both_versions():
     from recover_hsdp.collectives._ext import check_torch_version
 

@@ -225,6 +225,18 @@ def s_chain(args: dict) -> dict:
     for idx, st in enumerate(args["stages"]):
         out["stages"].append(run_stage(g, st, idx))
         write_result({**out, "partial": True})  # what got this far, if a later stage hangs
+    if args.get("after_failures"):
+        # new groups once ranks have died: from MPI_COMM_WORLD refused (clean UlfmError), from
+        # the repaired group fine
+        members = list(g.global_ranks)
+        out["from_ranks_error"] = error_of(lambda: UlfmGroup.from_ranks(members))
+        out["world_error"] = error_of(UlfmGroup.world)
+        sub = g.subgroup(members[::-1])
+        t = value(5)
+        res = sub.allreduce(t)
+        out["subgroup"] = {"global_ranks": list(sub.global_ranks), "rank": sub.rank,
+                           "ok": res.ok, "value": float(t[0])}
+        out["after_subgroup"] = g.consensus().as_dict()
     return out
 
 
