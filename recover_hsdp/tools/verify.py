@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="replay the whole run from the initial parameters alone (default: "
                         "continue from the run's parameters after each snapshot that passes)")
     p.add_argument("--rel-floor", type=float, default=DEFAULT_REL_FLOOR,
-                   help=f"max_rel = |diff| / max(|expected|, floor) (default {DEFAULT_REL_FLOOR:g})")
+                   help=f"max_rel = |diff| / max(|expected|, floor) "
+                        f"(default {DEFAULT_REL_FLOOR:g})")
     p.add_argument("--envelope", type=float, default=None, metavar="K",
                    help="also replay a twin in the HSDP summation order and widen each "
                         "tolerance to K times the twin's difference (sparse snapshots, "

@@ -113,9 +113,10 @@ class Corruption:
     """A wrong gradient at ``step`` on a subset of parameters (the record stays correct).
 
     kind: ``stale_buckets`` (needs a failure at ``step``): sum = W_cur * S_old + extension, S_old
-    = what every pre-failure contributor (the dead one included) had accumulated; ``double_replica``:
-    ``replica``'s accumulation added twice; ``swap_id``: ``replica``'s first id of the step is
-    trained on another id of its slice (not recorded); ``scale``: sum * ``factor``.
+    = what every pre-failure contributor (the dead one included) had accumulated;
+    ``double_replica``: ``replica``'s accumulation added twice; ``swap_id``: ``replica``'s
+    first id of the step is trained on another id of its slice (not recorded); ``scale``:
+    sum * ``factor``.
     Affected parameters: ``params`` (fqns) if given, else every parameter of the flat parameters
     ``buckets`` (layout indices). ``swap_id`` affects every parameter.
     """

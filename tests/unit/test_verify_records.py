@@ -26,7 +26,8 @@ def test_good_record_passes_including_a_lost_replica():
     (lambda s: setattr(s[2], "divisor", 3), 2, "divisor 3 != B 4"),
     (lambda s: s[2].contributions[0].pop(), 2, "3 microbatch ids contributed, divisor is 4"),
     (lambda s: s[1].contributions[0].__setitem__(0, 5), 1, "in replica 1's slice"),
-    (lambda s: s[1].contributions[0].__setitem__(0, 2), 1, "id 2 contributed twice (also in step 0)"),
+    (lambda s: s[1].contributions[0].__setitem__(0, 2), 1,
+     "id 2 contributed twice (also in step 0)"),
     (lambda s: s[0].contributions.__setitem__(7, []), 0, "not an initial replica"),
     (lambda s: setattr(s[0], "divisor", None), 0, "divisor None is not a positive integer"),
 ])
