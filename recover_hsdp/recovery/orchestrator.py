@@ -130,6 +130,7 @@ class StepTxnOrchestrator:
         self._computed: Optional[int] = None  # microbatches computed this iteration
         self._last_data_bucket: Optional[int] = None  # last bucket whose reduce moved data / failed
         self._in_iteration = False
+        self._committable = False          # consensus() returned COMMIT in this iteration
         self._vote = torch.zeros(max(1, int(group.size)), dtype=torch.float32)
 
     # ---- public state --------------------------------------------------------------------------
@@ -164,6 +165,7 @@ class StepTxnOrchestrator:
             b.snap_valid = False
             b.epoch = -1
         self.iteration_log = IterationLog()
+        self._committable = False
         if getattr(self.group, "quiesced", False):
             self.group.set_quiesce(False)
         self._push_roles()
@@ -281,7 +283,7 @@ class StepTxnOrchestrator:
                 self.gate()
             res = self.group.consensus()
             if res.ok:
-                undefined = [b.index for b in self.store if b.content is Content.UNDEFINED]
+                undefined = [b.index for b in self._buckets() if b.content is Content.UNDEFINED]
                 if undefined:
                     raise RecoveryProtocolError(
                         f"consensus passed while buckets {undefined} failed their reduction here "
@@ -292,8 +294,10 @@ class StepTxnOrchestrator:
                     self._latch = RestoreMode.BLOCKING
                     continue
                 self.iteration_log.modes.append(RestoreMode.SKIP.value)
+                self._committable = True
                 return Verdict.COMMIT
             if self._try_case_b(res, epoch_before):
+                self._committable = True
                 return Verdict.COMMIT
             # the failure went to the policy: a mode is latched; dispatch on it
 
@@ -301,6 +305,10 @@ class StepTxnOrchestrator:
         """After optimizer.step() and DataAssignment.commit(policy): policy advance (algorithm 7 if
         a boundary was crossed, case-(b) failures applied), roles and contribution counter pushed
         to the group, latches cleared."""
+        if not self._committable:
+            raise RecoveryProtocolError(
+                "after_successful_commit without a COMMIT verdict from consensus()")
+        self._committable = False
         self.rewinder.wait()
         self.policy.after_commit()
         if getattr(self.group, "quiesced", False):

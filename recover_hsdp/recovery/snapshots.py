@@ -105,8 +105,9 @@ class SnapshotStore:
 
 # The CPU engine "auto" resolves to. Measured with `recover-hsdp bench snapshot` on the 2-core
 # development machine (docs/recovery.md, "plain copy vs worker thread"): the worker thread does
-# not beat a plain copy there, because the copy and the extension forward compete for the same
-# two cores and the thread adds a hand-off. Override with RECOVER_HSDP_CPU_REWIND=thread.
+# not consistently beat a plain copy there (won 1 run of 3 by <= 7% on a 1.15 GiB shard, no
+# difference on the debug model), because the copy and the extension's compute share the same
+# two cores and memory bus. Override with RECOVER_HSDP_CPU_REWIND=thread.
 CPU_REWIND_DEFAULT = os.environ.get("RECOVER_HSDP_CPU_REWIND", "copy")
 
 

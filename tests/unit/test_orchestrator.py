@@ -556,6 +556,8 @@ def test_calls_out_of_order_are_protocol_errors():
     with pytest.raises(RecoveryProtocolError, match="not fired"):
         orch.consensus()
     orch.fire_deferred_allreduces()
+    with pytest.raises(RecoveryProtocolError, match="COMMIT verdict"):
+        orch.after_successful_commit()
     assert orch.consensus() is Verdict.COMMIT
     assert orch.restore_mode is None
     orch.after_successful_commit()
