@@ -1,0 +1,212 @@
+"""Per-rank worker of `recover-hsdp bench hsdp`: plain FSDP HYBRID_SHARD vs the resilient path, A/B.
+
+Started by mpirun (--with-ft ulfm: the resilient manager needs ULFM) with W x S ranks, one
+process per rank, and ``RECOVER_HSDP_STORE`` served by the launcher. Both arms live in the same
+processes, are built from the same resolved config (the trainer's own config helpers), start from
+the same seed and consume the same microbatch ids; their steps are INTERLEAVED (ABBA: baseline
+first on even pairs, resilient first on odd ones) so machine load hits both alike.
+
+* baseline: ``FSDP(process_group=(shard_pg, replicate_pg), HYBRID_SHARD)`` with gloo on both
+  groups, FSDP's default pre/post divide, FSDP's own cross-replica all-reduce inside every
+  backward (G microbatches, each loss / G), ``recover_hsdp.optim`` AdamW + ``lr_at``.
+* resilient: ``HSDPULFMTrainingManager.train_step()`` configured exactly as
+  ``recover_hsdp.hsdp.trainer.run_worker`` configures it (no failure schedule); its time is the
+  ``StepMetrics.wall_s`` the trainer records.
+
+Per step and arm the worker also records phase times and the process CPU time (all threads:
+what the rank burnt, including any busy-waiting in MPI or gloo), a figure less exposed than wall
+time to other tenants of a shared machine. "Same work" check: after step 0 (identical parameters, same data) both arms hold the same
+reduced and divided gradient shards up to float rounding (max relative difference reported); at
+the end the parameter difference is reported too (AdamW amplifies rounding where g ~ 0). Each rank writes ``OUT_DIR/rank{g}.json`` and leaves with ``os._exit``
+(a clean MPI_Finalize under ULFM may hang).
+
+    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.tools._bench_hsdp_worker CFG.yaml OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def run(cfg_path: str, out_dir: str) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from recover_hsdp.data import build_microbatch_source, load_tokenizer
+    from recover_hsdp.hsdp import fsdp_hybrid as fh
+    from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
+    from recover_hsdp.hsdp.trainer import _data_config, _model_config, _optim_config, _plain
+    from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
+    from recover_hsdp.optim import build_optimizer, lr_at
+
+    c = _plain(cfg_path)
+    par, run_c, bench = c["parallel"], c["run"], c.get("bench", {})
+    W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
+    warmup, steps = int(bench.get("warmup", 3)), int(bench.get("steps", 20))
+    total = warmup + steps
+    seed = int(run_c.get("seed", 0))
+    torch.set_num_threads(int(run_c.get("threads", 1) or 1))
+
+    fh.init_distributed_from_env(backend="gloo")
+    rank = dist.get_rank()
+    topo = fh.HybridTopology.for_world(W, S, rank, dist.get_world_size())
+
+    data_cfg = _data_config(c["data"], par)
+    tok = load_tokenizer(data_cfg.tokenizer)
+    model_cfg = _model_config(c["model"], tok.vocab_size)
+    optim_cfg = _optim_config(c.get("optim", {}), total)
+    source = build_microbatch_source(data_cfg, topo.replica, W)
+    mbs = int(par["micro_batch_size"])
+    tpm = mbs * int(par["seq_len"])
+
+    def rows(x):
+        return x[topo.shard_index * mbs:(topo.shard_index + 1) * mbs]
+
+    def loss_fn(module, x, y):
+        return next_token_loss(module(x), y, tokens_per_microbatch=tpm)
+
+    # --- resilient arm: exactly the trainer's construction --------------------------------
+    sources = {topo.replica: source}
+
+    def microbatch_fn(replica, mb_id):
+        if replica not in sources:
+            sources[replica] = build_microbatch_source(data_cfg, replica, W)
+        return sources[replica].get(mb_id)
+
+    mgr = HSDPULFMTrainingManager(
+        build_model(model_cfg, seed=seed),
+        optimizer_factory=lambda m: build_optimizer(m.named_parameters(), optim_cfg),
+        microbatch_fn=microbatch_fn, loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
+        auto_wrap_policy=fsdp_wrap_policy(), policy=str(c.get("policy", {}).get("name", "static")),
+        lr_fn=lambda step: lr_at(step, optim_cfg),
+        restore_enabled=True, shard_timeout_s=run_c.get("shard_timeout_s"))
+
+    # where the resilient step spends its time (wrappers only add a perf_counter pair per call)
+    phases: dict[str, float] = {}
+
+    def timed(obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    timed(mgr.acc, "microbatch", "microbatches")
+    timed(mgr.cross, "allreduce", "reduce")
+    timed(mgr.cross, "consensus", "consensus")
+    timed(mgr.optimizer, "step", "optimizer")
+
+    # --- baseline arm: plain FSDP HYBRID_SHARD, gloo on both groups -------------------------
+    shard_pg = rep_pg = None
+    for r in range(W):  # new_group is collective over the world, same order everywhere
+        g = dist.new_group(topo.replica_ranks(r), backend="gloo")
+        if r == topo.replica:
+            shard_pg = g
+    for j in range(S):
+        g = dist.new_group(topo.replicate_ranks(j), backend="gloo")
+        if j == topo.shard_index:
+            rep_pg = g
+    base = FSDP(build_model(model_cfg, seed=seed), process_group=(shard_pg, rep_pg),
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                auto_wrap_policy=fsdp_wrap_policy(), device_id=torch.device("cpu"),
+                use_orig_params=True, sync_module_states=False)
+    base_opt = build_optimizer(base.named_parameters(), optim_cfg)
+
+    def baseline_step(step: int) -> tuple[float, dict]:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        base_opt.zero_grad()
+        for m in range(G):
+            x, y = source.get((step * G + m) * W + topo.replica)  # DataAssignment's ids
+            loss = loss_fn(base, rows(x), rows(y)) / G
+            loss.backward()  # FSDP: reduce-scatter (shard group) + all-reduce (replicate group)
+        t1 = time.perf_counter()
+        lr = float(lr_at(step, optim_cfg))
+        for pg in base_opt.param_groups:
+            pg["lr"] = lr
+        base_opt.step()
+        t2 = time.perf_counter()
+        return t2 - t0, {"microbatches": t1 - t0, "optimizer": t2 - t1,
+                         "cpu": time.process_time() - c0}
+
+    def resilient_step(step: int) -> tuple[float, dict]:
+        phases.clear()
+        c0 = time.process_time()
+        mt = mgr.train_step()
+        cpu = time.process_time() - c0
+        assert mt.step == step and not mt.failures, (mt.step, step, mt.failures)
+        p = dict(phases)
+        # gate barrier, bucket snapshots, zero_grad, divide, bookkeeping
+        p["other"] = mt.wall_s - sum(p.values())
+        p["cpu"] = cpu
+        return mt.wall_s, p
+
+    t_base, t_res, p_base, p_res, order = [], [], [], [], []
+
+    def one(arm: str, step: int) -> None:
+        t, p = baseline_step(step) if arm == "baseline" else resilient_step(step)
+        (t_base if arm == "baseline" else t_res).append(t)
+        (p_base if arm == "baseline" else p_res).append(p)
+
+    def rel_diff(xs, ys) -> float:
+        num = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(xs, ys))
+        den = max(float(b.detach().abs().max()) for b in ys)
+        return num / den if den else num
+
+    grad_diff = None
+    dist.barrier()
+    for step in range(total):
+        first, second = (("baseline", "resilient") if step % 2 == 0
+                         else ("resilient", "baseline"))
+        order.append(first)
+        one(first, step)
+        one(second, step)
+        if step == 0:
+            # same work: from identical parameters, the same data gives the same step gradient
+            # (both arms leave the reduced, divided gradient shard in flat_param.grad)
+            grad_diff = rel_diff(fh.grad_shards(base), fh.grad_shards(mgr.module))
+
+    # after many AdamW steps rounding differences (G > 1 sums in another order) are amplified
+    # where a gradient is near 0 (the update is ~sign(g) * lr there): report, do not judge
+    pa, pb = fh.local_flat_shards(base), fh.local_flat_shards(mgr.module)
+    diffs = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(pa, pb)]
+    num = sum(float((a.detach() - b.detach()).double().pow(2).sum()) for a, b in zip(pa, pb))
+    den = sum(float(b.detach().double().pow(2).sum()) for b in pb)
+    out = {"rank": rank, "replica": topo.replica, "shard_index": topo.shard_index,
+           "warmup": warmup, "steps": steps, "baseline_s": t_base, "resilient_s": t_res,
+           "first": order, "baseline_phases": p_base, "resilient_phases": p_res, "max_param_diff": max(diffs) if diffs else None,
+           "param_rel_rms_diff": (num / den) ** 0.5 if den else None,
+           "grad_rel_diff_step0": grad_diff, "n_buckets": len(diffs), "load": os.getloadavg()}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(out_dir) / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, Path(out_dir) / f"rank{rank}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print("usage: python -m recover_hsdp.tools._bench_hsdp_worker CFG.yaml OUT_DIR",
+              file=sys.stderr)
+        sys.exit(2)
+    rc = 1
+    try:
+        rc = run(sys.argv[1], sys.argv[2])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
