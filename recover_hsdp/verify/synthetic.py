@@ -356,8 +356,9 @@ def write_synthetic_run(run_dir: str | Path, spec: SyntheticRun) -> Path:
 def small_data_config(corpus: str | Path, cache_dir: str | Path, *, seq_len: int = 32,
                       micro_batch_size: int = 1, seed: int = 0) -> DataConfig:
     """A local-corpus DataConfig (per-rank micro batch) for synthetic runs in tests."""
-    return DataConfig(source="local", paths=(str(corpus),), seq_len=seq_len,
-                      micro_batch_size=micro_batch_size, seed=seed, cache_dir=str(cache_dir))
+    return DataConfig(source="local", paths=(str(Path(corpus).resolve()),), seq_len=seq_len,
+                      micro_batch_size=micro_batch_size, seed=seed,
+                      cache_dir=str(Path(cache_dir).resolve()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -390,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--order", default="hsdp", choices=("hsdp", "replay"))
     p.add_argument("--params-every", type=int, default=1)
     args = p.parse_args(argv)
-    root = Path(args.run_dir)
+    root = Path(args.run_dir).resolve()
     if root.exists():
         print(f"{root}: already exists; use a fresh directory", file=sys.stderr)
         return 2
