@@ -19,7 +19,11 @@ from torch import nn
 
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 
-from _spawn import run_workers
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+from _spawn import run_workers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("RECOVER_HSDP_MEASURE") != "1",
                                 reason="measurement, run with RECOVER_HSDP_MEASURE=1")
