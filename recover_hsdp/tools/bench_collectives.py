@@ -6,7 +6,7 @@ Launches `mpirun --with-ft ulfm` itself (so run it from a plain shell, not under
 1. all-reduce latency and bandwidth, float32 SUM, message sizes 4 B .. 64 MB on --ranks ranks
    (default 4): ulfm (UlfmGroup.allreduce: Detect agree + MPI_Allreduce), gloo
    (dist.all_reduce), and plain MPI_Allreduce through mpi4py, in ONE job, interleaved rep by rep
-   so machine load hits all three alike. A rep's time is the slowest rank's; the table shows the
+   (in a rotating order) so machine load hits all three alike. A rep's time is the slowest rank's; the table shows the
    median over --reps reps (after --warmup untimed ones) and the ratios ulfm/mpi, ulfm/gloo.
 2. failure detection + repair: time from a rank's SIGKILL to the survivors' next successful
    all-reduce (the slowest survivor), median over --kills kills; each 4-rank job kills
@@ -78,7 +78,9 @@ def _worker_allreduce(args) -> None:
         }
         reps = args.reps if nbytes < 16 * MB else max(args.min_reps_large, 1)
         for rep in range(args.warmup + reps):
-            for b in BACKENDS:
+            # rotate the order: no backend always runs right after another one's leftovers
+            # (gloo's helper threads, caches)
+            for b in BACKENDS[rep % 3:] + BACKENDS[:rep % 3]:
                 bufs[b].fill_(float(rank + 1))
                 mpi_comm.Barrier()
                 t0 = time.perf_counter()
