@@ -65,7 +65,7 @@ def _worker_allreduce(args) -> None:
                             world_size=world)
     gloo = dist.group.WORLD
     g = UlfmGroup.world()
-    sizes = [s for s in SIZES if s <= args.max_bytes]
+    sizes = [s for s in SIZES if args.min_bytes <= s <= args.max_bytes]
     times: dict[str, dict[str, list[float]]] = {b: {} for b in BACKENDS}
     for nbytes in sizes:
         n = max(1, nbytes // 4)
@@ -145,12 +145,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nprocs: int, worker_args: list[str], timeout: float) -> dict[int, dict]:
+def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict[int, dict]:
     from recover_hsdp.collectives.launch import mpi_env, mpirun_command
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
     repo = str(Path(__file__).resolve().parents[2])
-    cmd = mpirun_command(nprocs) + [sys.executable, "-m", "recover_hsdp.tools.bench_collectives",
+    extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]
+    cmd = mpirun_command(nprocs, extra_args=extra) + [sys.executable, "-m", "recover_hsdp.tools.bench_collectives",
                                     *worker_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=mpi_env({OUT_ENV: str(out)}, pythonpath=repo),
@@ -178,12 +179,13 @@ def _fmt_size(n: int) -> str:
 def _bench_allreduce(args) -> dict:
     worker_args = ["--worker", "allreduce", "--port", str(_free_port()), "--reps",
                    str(args.reps), "--warmup", str(args.warmup), "--max-bytes",
-                   str(args.max_bytes), "--min-reps-large", str(args.reps)]
-    res = _launch(args.ranks, worker_args, args.timeout)
+                   str(args.max_bytes), "--min-bytes", str(args.min_bytes),
+                   "--min-reps-large", str(args.reps)]
+    res = _launch(args.ranks, worker_args, args.timeout, args.mca)
     if sorted(res) != list(range(args.ranks)):
         raise RuntimeError(f"only ranks {sorted(res)} reported")
     rows = []
-    for nbytes in [s for s in SIZES if s <= args.max_bytes]:
+    for nbytes in [s for s in SIZES if args.min_bytes <= s <= args.max_bytes]:
         row = {"bytes": nbytes}
         for b in BACKENDS:
             per_rank = [res[r]["times"][b][str(nbytes)] for r in sorted(res)]
@@ -202,7 +204,7 @@ def _bench_kills(args) -> dict:
     jobs = (args.kills + args.kills_per_job - 1) // args.kills_per_job
     for _ in range(jobs):
         res = _launch(args.ranks, ["--worker", "kill", "--kills-per-job",
-                                   str(args.kills_per_job)], args.timeout)
+                                   str(args.kills_per_job)], args.timeout, args.mca)
         per_kill = list(zip(*[r["kills"] for r in res.values()]))
         for survivors in per_kill:
             kills.append({
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per size (>= 20)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-bytes", type=int, default=64 * MB)
+    p.add_argument("--min-bytes", type=int, default=4)
+    p.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Open MPI MCA parameter for the jobs (repeatable)")
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--kills-per-job", type=int, default=2)
     p.add_argument("--skip", choices=["allreduce", "kills"], action="append", default=[])
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict = {
         "command": "recover-hsdp bench collectives " + " ".join(argv or sys.argv[1:]),
-        "host": platform.node(), "cpus": os.cpu_count(), "load_before": os.getloadavg(),
+        "mca": args.mca, "host": platform.node(), "cpus": os.cpu_count(), "load_before": os.getloadavg(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     try:
