@@ -133,6 +133,7 @@ def run_worker(cfg: Any) -> int:
     t_start = time.perf_counter()
     tokens = 0
     last = None
+    tb = None  # TensorBoard writer of the current logging rank, when tensorboard is installed
     for step in range(steps):
         mt = mgr.train_step()
         tokens += mt.tokens
@@ -144,6 +145,13 @@ def run_worker(cfg: Any) -> int:
             epoch=mt.epoch, local={"wall_s": round(mt.wall_s, 6), "rank": mgr.rank}))
         recorder.save_params(mt.step, _shards(mgr))
         last = mt
+        if _is_logger(mgr):
+            tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
+            if tb:
+                tb.add_scalar("loss", mt.loss, mt.step)
+                tb.add_scalar("alive_replicas", len(mt.alive), mt.step)
+                tb.add_scalar("tokens_per_s", mt.tokens / mt.wall_s if mt.wall_s else 0.0, mt.step)
+                tb.flush()
         if _is_logger(mgr) and (step % log_every == 0 or mt.failures or step == steps - 1):
             ev = ""
             if mt.failures:
@@ -175,6 +183,19 @@ def _shards(mgr) -> dict[str, torch.Tensor]:
     from recover_hsdp.hsdp import fsdp_hybrid as fh
 
     return {f"flat{i}": t.detach().cpu().clone() for i, t in enumerate(fh.local_flat_shards(mgr.module))}
+
+
+def _tensorboard(run_dir: Path, rank: int):
+    """A SummaryWriter under run_dir/tensorboard/rank{r} if tensorboard is installed, else False.
+
+    Metrics are always in the run record (steps/rank*.jsonl); this is a convenience view. The
+    writer lives on the logging rank, which moves to the next replica when its replica dies.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return False
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard" / f"rank{rank}"))
 
 
 def _is_logger(mgr) -> bool:
