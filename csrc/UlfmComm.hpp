@@ -86,8 +86,9 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   void debugKillAt(const std::string& point, int64_t delay_us);
   // The next data phase runs normally, then this rank reports it as failed (reduce_failed) and
   // revokes the communicator at the start of its next call: the asymmetric outcome "this rank
-  // saw a failure in the reduction, its peers did not", deterministically (an immediate revoke
-  // could also interrupt peers still finishing the same collective).
+  // saw a failure in the reduction, its peers did not" (an immediate revoke could interrupt
+  // peers still finishing the same collective; the test also holds the next call back until
+  // the peers have left this one).
   void debugFailNextData();
 
  private:

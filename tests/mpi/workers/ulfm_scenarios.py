@@ -253,6 +253,9 @@ def s_asymmetric(args: dict) -> dict:
         wait_marks("first", [r for r in g.global_ranks if r != ME])
         die()
     mark("first")
+    if ME == args["fails"]:
+        # its revoke (at its next call) must not cut a peer still finishing this reduction
+        wait_marks("first", [r for r in g.global_ranks if r not in (ME, args["victim"])])
     gate = g.consensus()
     out = {"first": first.as_dict(), "first_value": float(t[0]) if first.ok else None,
            "gate": gate.as_dict(), "check": exact_check(g)}
@@ -262,6 +265,9 @@ def s_asymmetric(args: dict) -> dict:
         g._debug_fail_next_data()
     t = value()
     second = g.allreduce(t)
+    mark("second")
+    if g.rank == 0:
+        wait_marks("second", [r for r in g.global_ranks if r != ME])
     out["second"] = second.as_dict()
     out["second_value"] = float(t[0]) if second.ok else None
     out["second_gate"] = g.consensus().as_dict()
