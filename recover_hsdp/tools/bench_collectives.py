@@ -5,9 +5,10 @@ Launches `mpirun --with-ft ulfm` itself (so run it from a plain shell, not under
 
 1. all-reduce latency and bandwidth, float32 SUM, message sizes 4 B .. 64 MB on --ranks ranks
    (default 4): ulfm (UlfmGroup.allreduce: Detect agree + MPI_Allreduce), gloo
-   (dist.all_reduce), and plain MPI_Allreduce through mpi4py, in ONE job, interleaved rep by rep
-   (in a rotating order) so machine load hits all three alike. A rep's time is the slowest rank's; the table shows the
-   median over --reps reps (after --warmup untimed ones) and the ratios ulfm/mpi, ulfm/gloo.
+   (dist.all_reduce), and plain MPI_Allreduce through mpi4py, in ONE job, in blocks of 5 reps
+   (1 from 4 MB up), each after one untimed op, whose order rotates (load hits all three alike; no timed op right after another backend's).
+   A rep's time is the slowest rank's; the table shows the median over --reps reps (after
+   --warmup untimed ones) and the ratios ulfm/mpi, ulfm/gloo.
 2. failure detection + repair: time from a rank's SIGKILL to the survivors' next successful
    all-reduce (the slowest survivor), median over --kills kills; each 4-rank job kills
    --kills-per-job ranks one after another (group sizes 4, 3, ...).
@@ -32,6 +33,7 @@ from pathlib import Path
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 BACKENDS = ("mpi", "gloo", "ulfm")
+BLOCK = 5  # timed reps per backend block (1 from 4 MB up)
 OUT_ENV = "RECOVER_HSDP_BENCH_OUT"
 MB = 1 << 20
 
@@ -76,22 +78,29 @@ def _worker_allreduce(args) -> None:
             "gloo": lambda t: dist.all_reduce(t, group=gloo),
             "ulfm": lambda t: g.allreduce(t),
         }
-        reps = args.reps if nbytes < 16 * MB else max(args.min_reps_large, 1)
-        for rep in range(args.warmup + reps):
-            # rotate the order: no backend always runs right after another one's leftovers
-            # (gloo's helper threads, caches)
-            for b in BACKENDS[rep % 3:] + BACKENDS[:rep % 3]:
-                bufs[b].fill_(float(rank + 1))
-                mpi_comm.Barrier()
-                t0 = time.perf_counter()
-                res = ops[b](bufs[b])
-                dt = time.perf_counter() - t0
-                if b == "ulfm" and not res.ok:
-                    raise RuntimeError(f"ulfm allreduce failed without a failure: {res}")
-                if bufs[b][0].item() != expect:
-                    raise RuntimeError(f"{b} all-reduce of {nbytes} B is wrong: {bufs[b][0]}")
-                if rep >= args.warmup:
-                    times[b].setdefault(str(nbytes), []).append(dt)
+        # Blocks of BLOCK reps per backend, the backends' order rotating block by block: load
+        # changes hit all three alike, yet no timed op directly follows another backend's op
+        # (measured: an MPI all-reduce right after a gloo one is up to 4x slower: gloo's
+        # threads and cache traffic linger). Each block starts with one untimed op.
+        block = BLOCK if nbytes < 4 * MB else 1  # big ops: spread load bursts thinner
+        rounds = -(-args.reps // block)
+        for w in range(args.warmup):
+            for b in BACKENDS:
+                ops[b](bufs[b])
+        for rnd in range(rounds):
+            for b in BACKENDS[rnd % 3:] + BACKENDS[:rnd % 3]:
+                for rep in range(-1, min(block, args.reps - rnd * block)):
+                    bufs[b].fill_(float(rank + 1))
+                    mpi_comm.Barrier()
+                    t0 = time.perf_counter()
+                    res = ops[b](bufs[b])
+                    dt = time.perf_counter() - t0
+                    if b == "ulfm" and not res.ok:
+                        raise RuntimeError(f"ulfm allreduce failed without a failure: {res}")
+                    if bufs[b][0].item() != expect:
+                        raise RuntimeError(f"{b} all-reduce of {nbytes} B is wrong: {bufs[b][0]}")
+                    if rep >= 0:
+                        times[b].setdefault(str(nbytes), []).append(dt)
         del bufs
     _write({"times": times})
     mpi_comm.Barrier()
@@ -179,8 +188,7 @@ def _fmt_size(n: int) -> str:
 def _bench_allreduce(args) -> dict:
     worker_args = ["--worker", "allreduce", "--port", str(_free_port()), "--reps",
                    str(args.reps), "--warmup", str(args.warmup), "--max-bytes",
-                   str(args.max_bytes), "--min-bytes", str(args.min_bytes),
-                   "--min-reps-large", str(args.reps)]
+                   str(args.max_bytes), "--min-bytes", str(args.min_bytes)]
     res = _launch(args.ranks, worker_args, args.timeout, args.mca)
     if sorted(res) != list(range(args.ranks)):
         raise RuntimeError(f"only ranks {sorted(res)} reported")
@@ -269,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     # worker mode (the parent launches these under mpirun)
     p.add_argument("--worker", choices=["allreduce", "kill"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--min-reps-large", type=int, default=20, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker == "allreduce":
