@@ -5,8 +5,10 @@ Launches `mpirun --with-ft ulfm` itself (so run it from a plain shell, not under
 
 1. all-reduce latency and bandwidth, float32 SUM, message sizes 4 B .. 64 MB on --ranks ranks
    (default 4): ulfm (UlfmGroup.allreduce: Detect agree + MPI_Allreduce), gloo
-   (dist.all_reduce), and plain MPI_Allreduce through mpi4py, in ONE job, in blocks of 5 reps
-   (1 from 4 MB up), each after one untimed op, whose order rotates (load hits all three alike; no timed op right after another backend's).
+   (dist.all_reduce), and plain MPI_Allreduce through mpi4py, in ONE job, in blocks of 4 reps
+   (1 from 4 MB up), each after one untimed op, the blocks' order cycling through all six orders
+   (load hits all three alike; no timed op right after another backend's; each backend follows
+   each other one equally often: an MPI op after a gloo one is up to 4x slower).
    A rep's time is the slowest rank's; the table shows the median over --reps reps (after
    --warmup untimed ones) and the ratios ulfm/mpi, ulfm/gloo.
 2. failure detection + repair: time from a rank's SIGKILL to the survivors' next successful
@@ -19,6 +21,7 @@ included: on a shared machine, compare ratios measured in the same run, not abso
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -33,7 +36,8 @@ from pathlib import Path
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 BACKENDS = ("mpi", "gloo", "ulfm")
-BLOCK = 5  # timed reps per backend block (1 from 4 MB up)
+BLOCK = 4  # timed reps per backend block (1 from 4 MB up)
+ORDERS = list(itertools.permutations(BACKENDS))
 OUT_ENV = "RECOVER_HSDP_BENCH_OUT"
 MB = 1 << 20
 
@@ -83,13 +87,15 @@ def _worker_allreduce(args) -> None:
         # (measured: an MPI all-reduce right after a gloo one is up to 4x slower: gloo's
         # threads and cache traffic linger). Each block starts with one untimed op.
         block = BLOCK if nbytes < 4 * MB else 1  # big ops: spread load bursts thinner
-        rounds = -(-args.reps // block)
+        # rounds cycle through all 6 orders, so every backend follows every other one equally
+        # often (a plain rotation put ulfm after gloo twice as often as mpi: +7% at 1 MB)
+        rounds = len(ORDERS) * -(-args.reps // (len(ORDERS) * block))
         for w in range(args.warmup):
             for b in BACKENDS:
                 ops[b](bufs[b])
         for rnd in range(rounds):
-            for b in BACKENDS[rnd % 3:] + BACKENDS[:rnd % 3]:
-                for rep in range(-1, min(block, args.reps - rnd * block)):
+            for b in ORDERS[rnd % len(ORDERS)]:
+                for rep in range(-1, block):
                     bufs[b].fill_(float(rank + 1))
                     mpi_comm.Barrier()
                     t0 = time.perf_counter()
@@ -102,7 +108,17 @@ def _worker_allreduce(args) -> None:
                     if rep >= 0:
                         times[b].setdefault(str(nbytes), []).append(dt)
         del bufs
-    _write({"times": times})
+    # the Detect phase alone (one MPIX_Comm_agree), next to an MPI barrier: the fixed cost ulfm
+    # adds to every all-reduce
+    fixed: dict[str, list[float]] = {"agree": [], "mpi_barrier": []}
+    for rep in range(args.warmup + 5 * args.reps):
+        for name, fn in (("agree", g.consensus), ("mpi_barrier", mpi_comm.Barrier)):
+            mpi_comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rep >= args.warmup:
+                fixed[name].append(time.perf_counter() - t0)
+    _write({"times": times, "fixed": fixed})
     mpi_comm.Barrier()
 
 
@@ -204,7 +220,11 @@ def _bench_allreduce(args) -> dict:
         row["ulfm_over_mpi"] = row["ulfm"]["median_s"] / row["mpi"]["median_s"]
         row["ulfm_over_gloo"] = row["ulfm"]["median_s"] / row["gloo"]["median_s"]
         rows.append(row)
-    return {"ranks": args.ranks, "rows": rows}
+    fixed = {}
+    for name in ("agree", "mpi_barrier"):
+        per_rep = [max(ts) for ts in zip(*[res[r]["fixed"][name] for r in sorted(res)])]
+        fixed[name] = {"median_s": statistics.median(per_rep), "reps": len(per_rep)}
+    return {"ranks": args.ranks, "rows": rows, "fixed": fixed}
 
 
 def _bench_kills(args) -> dict:
@@ -242,6 +262,10 @@ def _print_report(report: dict) -> None:
                   + f"{row['mpi']['gbps']:8.3f} {row['gloo']['gbps']:9.3f} "
                     f"{row['ulfm']['gbps']:9.3f} | "
                   + f"{row['ulfm_over_mpi']:8.2f} {row['ulfm_over_gloo']:9.2f}")
+        fx = ar["fixed"]
+        print(f"Detect alone (MPIX_Comm_agree, ulfm's fixed cost per call): "
+              f"{fx['agree']['median_s'] * 1e3:.3f} ms; MPI_Barrier: "
+              f"{fx['mpi_barrier']['median_s'] * 1e3:.3f} ms (median of {fx['agree']['reps']})")
         big = [r for r in ar["rows"] if r["bytes"] >= MB]
         t1 = all(r["ulfm_over_mpi"] <= 1.10 for r in big)
         t2 = all(r["ulfm_over_gloo"] <= 1.0 for r in ar["rows"])
@@ -263,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--reps", type=int, default=20, help="timed repetitions per size (>= 20)")
+    p.add_argument("--reps", type=int, default=20,
+                   help="timed repetitions per size, at least (rounded up to fill the orders)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-bytes", type=int, default=64 * MB)
     p.add_argument("--min-bytes", type=int, default=4)
