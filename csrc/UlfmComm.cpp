@@ -25,6 +25,14 @@ constexpr int64_t kMaxCount = INT_MAX;  // MPI counts are int: larger buffers go
 
 std::mutex g_mpi_mutex;  // used only when MPI is below THREAD_MULTIPLE
 
+// Serialises MPI process-wide when the thread level is below MULTIPLE; a no-op otherwise.
+std::unique_lock<std::mutex> lockGlobal() {
+  if (needGlobalMpiLock()) {
+    return std::unique_lock<std::mutex>(g_mpi_mutex);
+  }
+  return std::unique_lock<std::mutex>();
+}
+
 [[noreturn]] void dieNow() {
   ::kill(::getpid(), SIGKILL);
   for (;;) {
@@ -117,13 +125,6 @@ void checkDense(const at::Tensor& t, const char* op) {
 
 } // namespace
 
-std::unique_lock<std::mutex> UlfmComm::lockGlobal() {
-  if (needGlobalMpiLock()) {
-    return std::unique_lock<std::mutex>(g_mpi_mutex);
-  }
-  return std::unique_lock<std::mutex>();
-}
-
 UlfmComm::UlfmComm(MPI_Comm comm, std::vector<int64_t> world_ranks)
     : comm_(comm), world_ranks_(std::move(world_ranks)) {
   MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
@@ -143,10 +144,7 @@ UlfmComm::~UlfmComm() {
 
 std::shared_ptr<UlfmComm> UlfmComm::world() {
   ensureMpi();
-  auto g = std::unique_lock<std::mutex>();
-  if (needGlobalMpiLock()) {
-    g = std::unique_lock<std::mutex>(g_mpi_mutex);
-  }
+  auto g = lockGlobal();
   MPI_Comm dup = MPI_COMM_NULL;
   MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &dup));
   int n = 0;
@@ -214,10 +212,7 @@ void validateRanks(const std::vector<int64_t>& world_ranks, const std::vector<in
 std::shared_ptr<UlfmComm> UlfmComm::fromRanks(const std::vector<int64_t>& world_ranks) {
   ensureMpi();
   validateRanks(world_ranks, nullptr);
-  auto g = std::unique_lock<std::mutex>();
-  if (needGlobalMpiLock()) {
-    g = std::unique_lock<std::mutex>(g_mpi_mutex);
-  }
+  auto g = lockGlobal();
   MPI_Comm comm = createGroupComm(MPI_COMM_WORLD, world_ranks);
   return std::shared_ptr<UlfmComm>(new UlfmComm(comm, world_ranks));
 }

@@ -104,7 +104,6 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   // A failed data collective: revoke, ok=false, reduce_failed=true. Throws for non-failures.
   FailureRecord dataFailedLocked(int rc, const char* call);
   void maybeKill(KillPoint here);
-  std::unique_lock<std::mutex> lockGlobal();
 
   mutable std::mutex mu_;
   MPI_Comm comm_ = MPI_COMM_NULL;
