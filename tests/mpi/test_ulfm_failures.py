@@ -94,7 +94,8 @@ def check_stage(per_rank: dict[int, dict], members: list[int], stage: dict, role
     elif points == {"after"}:
         assert first is not None and first["ok"]
         for r in per_rank.values():
-            assert r["first_value"] == r["expected_before"] and r["first_uniform"]
+            if r["expected_first"] is not None:
+                assert r["first_value"] == r["expected_first"] and r["first_uniform"]
         assert not gate["ok"] and gate["failed_ranks"] == sorted(victims)
         record = gate
     elif victims:  # data_async: the transfer was cut somewhere; reduce_failed or complete
@@ -149,13 +150,14 @@ def check_chain(run, groups: list[list[int]], stages: list[dict]):
 
 @pytest.mark.timeout(200)
 def test_kill_points_before_during_after_rank0_and_two_in_one_call():
+    """allreduce, broadcast, consensus and barrier share the protocol: one table over all four."""
     stages = [
         {"victims": {"7": "before"}},                       # before an all-reduce
         {"victims": {"6": "data"}},                         # inside it, after Detect passed
-        {"victims": {"5": "after"}},                        # right after it
+        {"victims": {"5": "after"}, "op": "broadcast"},     # right after a broadcast
         {"victims": {"0": "detect"}, "op": "consensus"},    # inside a consensus; global rank 0
-        {"victims": {"1": "before", "3": "record"}},        # two in one call, one mid-Record
-    ]
+        {"victims": {"1": "before", "3": "record"}, "op": "barrier"},  # two in one call, one
+    ]                                                       # of them mid-Record
     run = launch(8, "chain", {"stages": stages, "after_failures": True}, timeout=190)
     assert run.survivors == [2, 4], run.tail()
     check_chain(run, [list(range(8))], stages)
@@ -182,9 +184,9 @@ def test_roles_spare_killed_promotions_and_boundary():
         # a major dies (global rank 0) with a major-spare: promotion
         {"roles": [MAJ, MAJ, MAJ_SP, MIN, MIN_SP, MIN], "contributed": [3, 3, 3, 2, 2, 2],
          "victims": {"0": "before"}},
-        # a boundary-minor and a minor die in the same call: both spares promoted
+        # a boundary-minor and a minor die in the same call (a broadcast): both spares promoted
         {"roles": [MAJ, BMIN, MIN, MAJ_SP, MIN_SP], "contributed": [3, 2, 2, 3, 2],
-         "victims": {"2": "before", "4": "before"}},
+         "victims": {"2": "before", "4": "before"}, "op": "broadcast"},
         # a major dies with no major-spare: boundary, the minor-spare is admitted (contrib)
         {"roles": [MAJ, MAJ, MIN_SP], "contributed": [3, 3, 1], "victims": {"5": "before"}},
     ]

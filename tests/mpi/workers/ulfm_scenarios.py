@@ -184,15 +184,28 @@ def run_stage(g: UlfmGroup, st: dict, idx: int) -> dict:
     old_pg = g.pg
     point = victims.get(ME)
     arm(g, point, int(st.get("delay_us", 0)))
+    op = st.get("op", "allreduce")
     t = value(int(st.get("numel", 8)))
+    expected_first = expected_before
     t0 = time.perf_counter()
-    first = g.allreduce(t) if st.get("op", "allreduce") == "allreduce" else g.consensus()
+    if op == "allreduce":
+        first = g.allreduce(t)
+    elif op == "broadcast":  # from group rank 0
+        expected_first = members_before[0] + 1
+        if g.rank != 0:
+            t.zero_()
+        first = g.broadcast(t, 0)
+    elif op == "barrier":
+        first = g.barrier()
+    else:
+        first = g.consensus()
     first_s = time.perf_counter() - t0
     if point == "after":
         wait_marks(f"stage{idx}", [r for r in members_before if r not in victims])
         die()
     mark(f"stage{idx}")
     out = {"members_before": members_before, "expected_before": expected_before,
+           "expected_first": expected_first if op in ("allreduce", "broadcast") else None,
            "first": first.as_dict(), "first_seconds": first_s,
            "first_value": float(t[0]) if first.ok else None,
            "first_uniform": bool((t == t[0]).all()) if first.ok else None}
