@@ -186,11 +186,12 @@ def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise RuntimeError(f"benchmark job exceeded {timeout:.0f}s\n{stderr[-2000:]}") from None
+        raise RuntimeError(f"a benchmark job exceeded {timeout:.0f}s (--timeout)") from None
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     if not results:
-        msg = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"])
-        raise RuntimeError("benchmark job produced no results: " + msg[-1])
+        lines = stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"]
+        ours = [ln for ln in lines if ln.startswith("recover-hsdp")]
+        raise RuntimeError(ours[0] if ours else "benchmark job produced no results: " + lines[-1])
     return results
 
 
@@ -304,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    if args.worker == "allreduce":
-        _worker_allreduce(args)
-        return 0
-    if args.worker == "kill":
-        _worker_kill(args)
+    if args.worker:
+        from recover_hsdp.collectives.errors import exit_on_unavailable
+
+        with exit_on_unavailable("recover-hsdp bench collectives"):
+            (_worker_allreduce if args.worker == "allreduce" else _worker_kill)(args)
         return 0
     if args.ranks - args.kills_per_job < 2:
         p.error("--kills-per-job must leave at least 2 survivors")
@@ -325,9 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             report["allreduce"] = _bench_allreduce(args)
         if "kills" not in args.skip:
             report["kills"] = _bench_kills(args)
-    except RuntimeError as e:
-        print(f"recover-hsdp bench collectives: {str(e).strip().splitlines()[-1]}",
-              file=sys.stderr)
+    except (RuntimeError, OSError) as e:  # no results / mpirun missing: one line, no traceback
+        line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        if not line.startswith("recover-hsdp"):
+            line = f"recover-hsdp bench collectives: {line}"
+        print(line, file=sys.stderr)
         return EXIT_UNAVAILABLE
     report["load_after"] = os.getloadavg()
     _print_report(report)
