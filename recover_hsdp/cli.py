@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"recover-hsdp: command {name!r} is not available in this build", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    from recover_hsdp.collectives.errors import exit_on_unavailable
+
+    # no ULFM / no --with-ft / extension missing or built for another torch: one line, exit 3
+    with exit_on_unavailable(f"recover-hsdp {name}"):
+        return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":
