@@ -23,12 +23,12 @@ from recover_hsdp.types import FailureRecord, Role, RoleCensus
 REPO = Path(__file__).resolve().parents[2]
 BUILT = bool(list((REPO / "recover_hsdp").glob("_C*.so")))
 # Not a skip: a missing extension must FAIL these tests (make test builds it first).
-needs_ext = pytest.mark.usefixtures()
+needs_ext = pytest.mark.needs_ext
 
 
 @pytest.fixture(autouse=True)
 def _extension_is_built(request):
-    if request.node.get_closest_marker("usefixtures") is not None and not BUILT:
+    if request.node.get_closest_marker("needs_ext") is not None and not BUILT:
         pytest.fail("recover_hsdp._C is not built (make build)")
 MAJ, MIN, MAJ_SP, MIN_SP, BMIN = (int(r) for r in Role)
 
