@@ -479,6 +479,19 @@ FailureRecord UlfmComm::protocolLocked() {
   return rec;
 }
 
+FailureRecord UlfmComm::dataDoneLocked(int rc, const char* call, FailureRecord rec) {
+  if (rc != MPI_SUCCESS) {
+    return dataFailedLocked(rc, call);
+  }
+  if (fail_next_data_) {  // test hook: report this completed data phase as failed
+    fail_next_data_ = false;
+    revoke_at_next_call_ = true;
+    rec.ok = false;
+    rec.reduce_failed = true;
+  }
+  return rec;
+}
+
 FailureRecord UlfmComm::dataFailedLocked(int rc, const char* call) {
   if (!isFailureClass(mpiErrorClass(rc))) {
     throwMpiError(rc, call, __FILE__, __LINE__);
@@ -522,19 +535,11 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
     rc = MPI_Allreduce(MPI_IN_PLACE, ptr + off * buf.elementSize(), n, typeop.type, typeop.op,
                        comm_);
   }
-  if (rc != MPI_SUCCESS) {
-    rec = dataFailedLocked(rc, "MPI_Allreduce");
-  } else {
+  if (rc == MPI_SUCCESS) {
     buf.finish();
-    if (fail_next_data_) {
-      fail_next_data_ = false;
-      revoke_at_next_call_ = true;
-      rec.ok = false;
-      rec.reduce_failed = true;
-    }
   }
-  last_ = rec;
-  return rec;
+  last_ = dataDoneLocked(rc, "MPI_Allreduce", rec);
+  return last_;
 }
 
 FailureRecord UlfmComm::broadcast(at::Tensor& tensor, int root) {
@@ -561,19 +566,11 @@ FailureRecord UlfmComm::broadcast(at::Tensor& tensor, int root) {
     const int n = static_cast<int>(std::min<int64_t>(kMaxCount, nbytes - off));
     rc = MPI_Bcast(ptr + off, n, MPI_BYTE, root, comm_);
   }
-  if (rc != MPI_SUCCESS) {
-    rec = dataFailedLocked(rc, "MPI_Bcast");
-  } else {
+  if (rc == MPI_SUCCESS) {
     buf.finish();
-    if (fail_next_data_) {
-      fail_next_data_ = false;
-      revoke_at_next_call_ = true;
-      rec.ok = false;
-      rec.reduce_failed = true;
-    }
   }
-  last_ = rec;
-  return rec;
+  last_ = dataDoneLocked(rc, "MPI_Bcast", rec);
+  return last_;
 }
 
 FailureRecord UlfmComm::consensus() {

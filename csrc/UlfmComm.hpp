@@ -103,6 +103,9 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   FailureRecord okRecordLocked() const;
   // A failed data collective: revoke, ok=false, reduce_failed=true. Throws for non-failures.
   FailureRecord dataFailedLocked(int rc, const char* call);
+  // The end of a data phase (after buf.finish() on success): the failure path, or the
+  // debugFailNextData hook, or `rec` unchanged.
+  FailureRecord dataDoneLocked(int rc, const char* call, FailureRecord rec);
   void maybeKill(KillPoint here);
 
   mutable std::mutex mu_;

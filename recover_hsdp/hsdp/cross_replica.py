@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch

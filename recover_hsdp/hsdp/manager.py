@@ -17,11 +17,9 @@ skipped or replayed. A rank whose replica lost a member leaves by SIGKILL (ULFM 
 """
 from __future__ import annotations
 
-import json
-import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +27,7 @@ import torch.nn as nn
 
 from recover_hsdp.faults import FailureInjector, replica_lost_exit
 from recover_hsdp.hsdp import fsdp_hybrid as fh
-from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup, ReplicaResult
+from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
                                  StaticWorldPolicy, contrib_total, elect)
 from recover_hsdp.recovery import StepTxnOrchestrator, Verdict
@@ -78,7 +76,6 @@ class StepMetrics:
     divisor: int
     epoch: int
     wall_s: float
-    extra: dict = field(default_factory=dict)
 
 
 class HSDPULFMTrainingManager:

@@ -65,8 +65,6 @@ def _optim_config(c: Mapping, steps: int):
 
 def run_worker(cfg: Any) -> int:
     """Train per the resolved config on this MPI rank. Returns 0 when every step committed."""
-    import torch.distributed as dist
-
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.faults import FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
