@@ -52,6 +52,10 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_NAME = "config"
 SCHEMA_NAME = "train_schema"
 POLICIES = ("static", "adaptive")
+#: baseline.name: none (the resilient trainer) or one of the plain-FSDP baselines
+BASELINES = ("none", "reference", "checkpoint_restart")
+#: failure locations the checkpoint-restart baseline can fire at (docs/baselines.md)
+CR_LOCATIONS = ("forward", "backward", "reduce", "pre_step", "optimizer_step")
 #: Where relative run directories go when run.output_dir is null.
 DEFAULT_RUNS_DIR = "runs"
 
@@ -179,6 +183,33 @@ class DebugConfig:
 
 
 @dataclass
+class BaselineConfig:
+    """conf/baseline/{none,reference,checkpoint_restart}.yaml (docs/baselines.md).
+
+    ``none``: the resilient trainer (policy static or adaptive). ``reference``: plain PyTorch FSDP
+    HYBRID_SHARD, torch's own process groups, no ULFM, failure-free. ``checkpoint_restart``: the
+    same plain training with DCP checkpoints every ``ckpt_interval`` steps; a kill aborts the job,
+    the launcher relaunches it from the last checkpoint (at most ``max_restarts`` times).
+    """
+
+    name: str = "none"
+    ckpt_interval: int = 4        # checkpoint after every N committed steps (N, 2N, ...)
+    ckpt_async: bool = False      # dcp.async_save instead of dcp.save
+    max_restarts: int = 20        # relaunches before the run is given up (exit 1)
+
+    def __post_init__(self) -> None:
+        if self.name not in BASELINES:
+            raise TrainConfigError(f"baseline.name({self.name!r}) must be one of "
+                                   f"{', '.join(BASELINES)}")
+        _positive_ints("baseline", self, ("ckpt_interval",))
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise TrainConfigError(f"baseline.max_restarts({self.max_restarts!r}) must be an "
+                                   f"integer >= 0")
+        if not isinstance(self.ckpt_async, bool):
+            raise TrainConfigError(f"baseline.ckpt_async({self.ckpt_async!r}) must be a boolean")
+
+
+@dataclass
 class FailuresSchema:
     """The ``failures`` node's schema: FailuresConfig's fields (same defaults), with ``schedule``
     untyped so it can hold inline entries OR a schedule file path (``failures.schedule=f.yaml``).
@@ -205,11 +236,12 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
 
 
 TYPED_GROUPS: Dict[str, type] = {
     "parallel": ParallelConfig, "policy": PolicyConfig, "run": RunConfig,
-    "optim": OptimConfig, "debug": DebugConfig,
+    "optim": OptimConfig, "debug": DebugConfig, "baseline": BaselineConfig,
 }
 ROOT_KEYS: List[str] = [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -424,6 +456,7 @@ class CheckedConfig:
     failures: Any               # FailuresConfig
     schedule: Any               # the validated FailureSchedule
     vocab_size: int
+    baseline: Optional[BaselineConfig] = None
 
 
 def _typed(group: str, cls: type, node: Any) -> Any:
@@ -569,9 +602,31 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
                                   steps=run.steps)
     except (ValueError, TypeError) as e:
         raise TrainConfigError(_one_line(e)) from None
+    _check_baseline(parts["baseline"], policy, failures, schedule)
     return CheckedConfig(parallel=par, policy=parts["policy"], optim=optim, run=run,
                          debug=parts["debug"], model=model, data=data, failures=failures,
-                         schedule=schedule, vocab_size=vocab)
+                         schedule=schedule, vocab_size=vocab, baseline=parts["baseline"])
+
+
+def _check_baseline(baseline: BaselineConfig, policy: str, failures: Any, schedule: Any) -> None:
+    """The baselines' cross-checks (docs/baselines.md): plain FSDP has no drop-and-go policy,
+    the reference is failure-free, checkpoint-restart fires only where its loop has a point."""
+    if baseline.name == "none":
+        return
+    if policy != "static":
+        raise TrainConfigError(f"policy.name({policy!r}) cannot be combined with baseline.name"
+                               f"({baseline.name!r}): the baselines train the full batch B "
+                               f"(drop-and-go is policy=adaptive with baseline=none)")
+    if baseline.name == "reference" and failures.kind != "none":
+        raise TrainConfigError(f"failures.kind({failures.kind!r}): baseline=reference is the "
+                               f"failure-free run (use failures=none, or "
+                               f"baseline=checkpoint_restart)")
+    if baseline.name == "checkpoint_restart":
+        for i, e in enumerate(schedule.entries):
+            if e.location not in CR_LOCATIONS:
+                raise TrainConfigError(f"failures.schedule[{i}].location({e.location!r}) is not "
+                                       f"a point of the checkpoint-restart loop (supported: "
+                                       f"{', '.join(CR_LOCATIONS)})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,8 +234,18 @@ def job_command(job: Job, config_path: Path, env: dict[str, str]) -> list[str]:
     from recover_hsdp.launch import exported_vars, mpirun_command
 
     run = job.cfg.run
-    return mpirun_command(int(run.np), config_path, mpirun=run.mpirun,
-                          mpirun_args=list(run.mpirun_args), export=exported_vars(env))
+    cmd = mpirun_command(int(run.np), config_path, mpirun=run.mpirun,
+                         mpirun_args=list(run.mpirun_args), export=exported_vars(env))
+    if _baseline(job.cfg) != "none":   # plain FSDP baselines: a plain job, no ULFM
+        from recover_hsdp.baselines.checkpoint_restart import plain_mpirun
+
+        cmd = plain_mpirun(cmd)
+    return cmd
+
+
+def _baseline(cfg) -> str:
+    base = cfg.get("baseline") if hasattr(cfg, "get") else None
+    return str(base.get("name", "none")) if base is not None else "none"
 
 
 def job_env(job: Job, store: str) -> dict[str, str]:
@@ -312,6 +322,10 @@ def launch_job(job: Job) -> JobResult:
     from recover_hsdp.hsdp.fsdp_hybrid import serve_store
     from recover_hsdp.launch import default_store_host, run_job
 
+    if _baseline(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
+        from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
+
+        return run_checkpoint_restart(job)
     run_dir = job.run_dir
     if job.cfg.run.overwrite and holds_run(run_dir):
         shutil.rmtree(run_dir)
@@ -415,8 +429,16 @@ def run_jobs(jobs: Sequence[Job], *, sweep: bool) -> int:
 # ---------------------------------------------------------------------------------------------
 # Worker (inside each MPI rank)
 # ---------------------------------------------------------------------------------------------
-def load_worker_fn():
+def load_worker_fn(cfg=None):
+    """The worker function: RECOVER_HSDP_WORKER_FN if set, else the plain-FSDP loop for
+    ``baseline`` reference/checkpoint_restart, else the resilient trainer."""
+    from recover_hsdp.launch import ENV_WORKER_FN
+
     spec = worker_fn_spec()
+    if cfg is not None and not os.environ.get(ENV_WORKER_FN) and _baseline(cfg) != "none":
+        from recover_hsdp.baselines import PLAIN_WORKER_FN
+
+        spec = PLAIN_WORKER_FN
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -444,7 +466,7 @@ def worker_main(path: str) -> int:
     try:
         cfg = load_config(path)
         check_world(cfg, int(world) if world else None)
-        fn = load_worker_fn()
+        fn = load_worker_fn(cfg)
     except (TrainConfigError, RuntimeError) as e:
         print(f"{PROG} --worker [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG

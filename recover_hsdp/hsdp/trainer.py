@@ -124,7 +124,8 @@ def run_worker(cfg: Any) -> int:
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
-            "restore_enabled": mgr.restore_enabled}
+            "restore_enabled": mgr.restore_enabled, "processes_per_replica": S,
+            "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
     recorder.start(meta, c, schedule)
     recorder.save_initial_params(_shards(mgr))
     log_every = int(run.get("log_every", 1) or 1)
@@ -175,6 +176,10 @@ def run_worker(cfg: Any) -> int:
     sys.stdout.flush()
     # ULFM: a clean MPI_Finalize after failures may hang (ompi #11404); leave without it.
     os._exit(0 if mgr.step == steps else 1)
+
+
+def meta_policy(c: Mapping) -> str:
+    return str(c.get("policy", {}).get("name", "static"))
 
 
 def _shards(mgr) -> dict[str, torch.Tensor]:
