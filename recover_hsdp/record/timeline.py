@@ -42,7 +42,7 @@ class Commit:
     """The first commit of one step (for checkpoint-restart: reruns are not listed again)."""
 
     step: int
-    time: float                  # unix time of the commit (earliest rank's local.time)
+    time: float                  # unix time of the commit (latest rank's local.time)
     loss: float | None
     tokens: int                  # tokens of the step, all replicas
     alive_processes: int         # processes that committed it (alive replicas x processes/replica)
@@ -255,18 +255,20 @@ def _commits_from(directory: Path, pps: int, default_alive: int, attempt: int | 
     merged = merge_steps(directory)
     out = []
     for step, rec in merged.steps.items():
-        best = None
-        for rank, loc in merged.local[step].items():
+        times, starts = [], []
+        for loc in merged.local[step].values():
             t = loc.get("time") if isinstance(loc, dict) else None
-            if isinstance(t, (int, float)) and (best is None or t < best[0]):
-                best = (float(t), loc.get("wall_s"))
-        if best is None:
+            if isinstance(t, (int, float)):
+                times.append(float(t))
+                wall = loc.get("wall_s")
+                if isinstance(wall, (int, float)):
+                    starts.append(float(t) - float(wall))
+        if not times:
             raise RecordError(f"{directory}: step {step} has no local.time on any rank")
-        t, wall = best
         alive = len(rec.alive) * pps if rec.alive else default_alive
-        out.append((Commit(step=step, time=t, loss=rec.loss, tokens=int(rec.tokens or 0),
+        out.append((Commit(step=step, time=max(times), loss=rec.loss, tokens=int(rec.tokens or 0),
                            alive_processes=alive, divisor=rec.divisor, attempt=attempt),
-                    t - float(wall) if isinstance(wall, (int, float)) else None))
+                    min(starts) if starts else None))
     return out
 
 
@@ -560,9 +562,10 @@ def _cr_breakdown(tl: Timeline, markers: list[dict]) -> list[dict]:
         d["restart_init"] = (ri - d["load"]) if ri is not None and d["load"] is not None else None
         d["rerun"] = sub(H, G)
         d["recovery"] = 0.0
-        if d["save"] is None and A is None:
-            d["save"] = 0.0   # no checkpoint before the kill: the job restarts from scratch
-            d["normal"] = sub(C, tl.t0)
+        if A is None:   # no checkpoint before the kill: A = B = the attempt's train_start
+            start = _first_event(cur["events"], "train_start") if cur else None
+            d["A"] = d["B"] = start if start is not None else tl.t0
+            d["save"], d["normal"] = 0.0, sub(C, d["B"])
         out.append(_finish(d))
     return out
 

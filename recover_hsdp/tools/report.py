@@ -310,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_UsageError, RecordError) as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_USAGE
+    except (KeyError, TypeError, ValueError) as e:   # a malformed record: still one line
+        print(f"{PROG}: error: malformed run record: {type(e).__name__}: "
+              f"{' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         out.mkdir(parents=True, exist_ok=True)
         rep = build_report(timelines)

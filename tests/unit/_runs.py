@@ -19,8 +19,9 @@ def _fire(run_dir: Path, rank: int, t: float, entry: dict, monkeypatch) -> None:
 
 
 def resilient_run(root: Path, monkeypatch, name="resilient", meta_extra=None) -> Path:
-    """W=4, S=1, 10 steps of 10 s from t0=1000 (step s commits at 1010+10s, rank 1 half a second
-    later); replica 3 killed at 1035 (step 3), replica 2 at 1075 (step 7)."""
+    """W=4, S=1, 10 steps of 10 s from t0=1000: step s commits at 1010+10s on rank 0 and 0.5*r s
+    earlier on rank r (a commit is the LATEST rank's local.time; every rank's first step started
+    at 1000: time - wall_s); replica 3 killed at 1035 (step 3), replica 2 at 1075 (step 7)."""
     d = root / name
     meta = {"w_init": 4, "g_init": 2, "B": 8, "shard_size": 1, "seed": 0, "policy": "static"}
     meta.update(meta_extra or {})
@@ -31,8 +32,8 @@ def resilient_run(root: Path, monkeypatch, name="resilient", meta_extra=None) ->
         rec.start(meta, {"run": {"steps": 10}}, [])
         for s in range(last[rank] + 1):
             rec.commit(StepRecord(step=s, loss=5.0 - 0.1 * s, tokens=TOK, alive=alive_at(s),
-                                  divisor=8, local={"time": 1010.0 + 10 * s + 0.5 * rank,
-                                                    "wall_s": 10.0}))
+                                  divisor=8, local={"time": 1010.0 + 10 * s - 0.5 * rank,
+                                                    "wall_s": 10.0 - 0.5 * rank}))
         rec.close()
     _fire(d, 3, 1035.0, {"step": 3, "replica": 3, "local_rank": 0, "location": "reduce",
                          "bucket": 0}, monkeypatch)
@@ -84,7 +85,7 @@ def cr_run(root: Path, monkeypatch, name="cr") -> Path:
             w = StepWriter(d / "attempts" / f"{k:02d}", g, fsync=False)
             for s, t in steps:
                 w.write(StepRecord(step=s, loss=4.0 - 0.1 * s, tokens=TOK, alive=[0, 1],
-                                   divisor=4, local={"time": t + 0.1 * g, "wall_s": 10.0}))
+                                   divisor=4, local={"time": t - 0.1 * (3 - g), "wall_s": 10.0}))
             w.close()
     ev = {
         0: [("launch_seen", 1990.0), ("init_done", 1995.0), ("train_start", 2000.0),

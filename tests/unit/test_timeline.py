@@ -35,7 +35,7 @@ def test_resilient_commits_kills_processes(tmp_path, monkeypatch):
     tl = load_timeline(resilient_run(tmp_path, monkeypatch), label="R")
     assert (tl.label, tl.mode, tl.w_init, tl.processes_per_replica) == ("R", "resilient", 4, 1)
     assert [c.step for c in tl.commits] == list(range(10))
-    # commit time = the earliest rank's local.time; t0 = first commit - its wall_s
+    # commit time = the latest rank's local.time; t0 = earliest (time - wall_s) of the first step
     assert [c.time for c in tl.commits] == [1010.0 + 10 * s for s in range(10)]
     assert [c.alive_processes for c in tl.commits] == [4] * 3 + [3] * 4 + [2] * 3
     assert (tl.t0, tl.end, tl.wall_s) == (1000.0, 1100.0, 100.0)
@@ -236,3 +236,13 @@ def test_real_resilient_run_with_one_kill(tmp_path):
     (b,) = load_timeline(out, interval=1).breakdown
     assert b["kill_step"] == 1 and b["recovery"] > 0 and b["normal"] > 0
     assert b["H"] == tl.commits[1].time
+
+
+def test_cr_kill_before_any_checkpoint(tmp_path, monkeypatch):
+    d = cr_run(tmp_path, monkeypatch)
+    for p in (d / "attempts" / "00").glob("events.rank*.jsonl"):
+        p.write_text("".join(line + "\n" for line in p.read_text().splitlines()
+                             if "ckpt_save" not in line))
+    b0 = load_timeline(d).breakdown[0]
+    assert (b0["A"], b0["B"], b0["save"], b0["normal"]) == (2000.0, 2000.0, 0.0, 67.0)
+    assert b0["total"] == approx(2115.0 - 2000.0)
