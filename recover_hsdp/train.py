@@ -378,7 +378,7 @@ def format_summary(res: JobResult) -> str:
         f"  throughput         {tps} (committed tokens / run wall time; {res.tokens:,} tokens)",
         f"  run directory      {res.job.run_dir}",
     ]
-    if res.status == "ok":
+    if res.status == "ok" and _baseline(res.job.cfg) == "none":
         lines.append(f"  check it           recover-hsdp verify {res.job.run_dir}")
     if res.note:
         lines.append(f"  note               {res.note}")

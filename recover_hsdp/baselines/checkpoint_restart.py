@@ -158,7 +158,7 @@ def run_checkpoint_restart(job) -> Any:
                 env = job_env(job, store)
                 env[ENV_ATTEMPT] = str(attempt)
                 env.setdefault(ENV_WORKER_FN, PLAIN_WORKER_FN)
-                cmd = plain_mpirun(job_command(job, config_path, env))
+                cmd = job_command(job, config_path, env)   # plain_mpirun: no ULFM
                 cmd = cmd[:1] + ["-x", ENV_ATTEMPT] + cmd[1:]
                 if attempt == 0:
                     (ldir / "command.sh").write_text(

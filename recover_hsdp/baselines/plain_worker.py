@@ -178,6 +178,10 @@ def run_plain_worker(cfg: Any) -> int:
     this attempt committed every remaining step."""
     t_launch = time.time()
     import contextlib
+    import warnings
+
+    # FSDP NO_SHARD (S=1) returns full state dicts for DCP: expected, not worth a warning per save
+    warnings.filterwarnings("ignore", message=".*NO_SHARD.*full_state_dict.*")
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
