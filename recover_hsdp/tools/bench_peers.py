@@ -694,7 +694,8 @@ def format_table(result: dict) -> str:
              f"N={result.get('replicas')} replica groups x 1 process, G={result.get('G')}, "
              f"kills {result.get('kills')} (torchft: relaunched after "
              f"{result.get('relaunch_delay')} s; ours: not relaunched)", "",
-             f"{'run':<16} {'steps':>5} {'step s':>7} {'vs gloo':>7} {'kill->commit med':>16} "
+             f"{'run':<16} {'steps':>5} {'step s':>7} {'vs gloo':>7} {'wall_s':>7} "
+             f"{'kill->commit med':>16} "
              f"{'each':<18} {'disc':>4} {'tok/proc-h':>11} {'loss diff mean/final':>21}  "
              f"divisor per step"]
     for name, r in rows.items():
@@ -705,7 +706,8 @@ def format_table(result: dict) -> str:
         tph = r.get("tokens_per_process_hour")
         lines.append(
             f"{name:<16} {r['steps_committed']:>5} {_f(r.get('step_interval_s')):>7} "
-            f"{_f(ratio, 2):>7} {_f(r.get('kill_to_commit_s'), 3, ' s'):>16} {each:<18} "
+            f"{_f(ratio, 2):>7} {_f(r.get('wall_s')):>7} "
+            f"{_f(r.get('kill_to_commit_s'), 3, ' s'):>16} {each:<18} "
             f"{r.get('discarded_steps', 0):>4} {('-' if tph is None else f'{tph:.3g}'):>11} "
             f"{lcs:>21}  {r.get('divisor_rle', '')}")
         for e in r.get("errors", []):
@@ -731,6 +733,10 @@ def format_table(result: dict) -> str:
         lines.append(f"torchft DYNAMIC loss vs ours failure-free: mean |diff| {x['mean_abs']:.4f}, "
                      f"max {x['max_abs']:.4f}, final {x['final']:+.4f} "
                      f"({x['final_loss']:.4f} vs {x['ref_final_loss']:.4f})")
+    lines.append("step s = median commit-to-commit interval of failure-free steps >= "
+                 f"{WARM_STEPS} (first commit over ranks); wall_s = median in-step time; "
+                 "tok/proc-h = committed tokens per process-hour; loss diff = per-step loss minus "
+                 "ours_nofail's (mean |diff| / final)")
     for e in result.get("errors", []):
         lines.append(f"! {e}")
     if result.get("out"):
@@ -777,7 +783,7 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
         ys = [rows[n]["losses"].get(s, rows[n]["losses"].get(str(s))) for s in ss]
         a1.plot(ss, ys, color=c, ls=ls, label=lab)
         if n != "plain_ddp":
-            a2.step(ss, rows[n]["divisors"][:len(ss)], where="mid", color=c, ls=ls, label=lab)
+            a2.step(ss, rows[n]["divisors"][:len(ss)], where="post", color=c, ls=ls, label=lab)
     for k in result.get("kills", []):
         for a in (a1, a2):
             a.axvline(k["step"], color="0.7", lw=0.8)
