@@ -388,7 +388,8 @@ def run_torchft(args, procs: Procs, run_dir: Path, mode: str, kills: list[dict],
     relaunch_at: dict[int, float] = {}
     first_done: float | None = None
     ready: set[int] = set()
-    grace = 30.0
+    grace = 10.0      # after the first replica finished: late (relaunched) ones may block in
+    notes: list[str] = []   # a quorum that can no longer form (FIXED: < min_replica_size left)
     try:
         while True:
             now = time.time()
@@ -441,8 +442,8 @@ def run_torchft(args, procs: Procs, run_dir: Path, mode: str, kills: list[dict],
             if not relaunch_at and all("exit" in rec for rec in live.values()):
                 break
             if first_done is not None and now > first_done + grace:
-                errors.append(f"replicas still running {grace:.0f} s after the first finished; "
-                              f"killed")
+                notes.append(f"replicas still running {grace:.0f} s after the first finished "
+                             f"(waiting for a quorum that cannot form); killed")
                 break
     finally:
         for rec in info:
@@ -463,7 +464,7 @@ def run_torchft(args, procs: Procs, run_dir: Path, mode: str, kills: list[dict],
     discarded = collect_discards(run_dir)
     _finish_summary(run_dir, args, time.time() - t_start, out_info, fired, discarded)
     return {"run_dir": str(run_dir), "mode": tf_mode, "procs": out_info, "errors": errors,
-            "lighthouse_pid": lh.pid}
+            "notes": notes, "lighthouse_pid": lh.pid}
 
 
 def _write_marker(run_dir: Path, rank: int, marker: dict) -> None:
@@ -712,6 +713,8 @@ def format_table(result: dict) -> str:
             f"{lcs:>21}  {r.get('divisor_rle', '')}")
         for e in r.get("errors", []):
             lines.append(f"    ! {e}")
+        for e in r.get("notes", []):
+            lines.append(f"    note: {e}")
     v = result.get("verdicts", {})
     lines.append("")
     if "recovery" in v:
@@ -890,6 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["errors"].append(f"{name}: cannot analyse {run['run_dir']}: "
                                     f"{' '.join(str(e).split())}")
         result["runs"].get(name, {})["errors"] = run.get("errors", [])
+        result["runs"].get(name, {})["notes"] = run.get("notes", [])
     result["verdicts"] = verdicts(result["runs"])
     result["load_end"] = [round(x, 2) for x in os.getloadavg()]
     result["wall_s"] = time.time() - t0
