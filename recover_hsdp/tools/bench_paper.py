@@ -1,0 +1,485 @@
+"""`recover-hsdp bench paper`: the paper's section 5 / appendix A.1 experiments at this box's scale.
+
+Every run is a real `recover-hsdp train` job (mpirun, real SIGKILLs), one after the other, each
+with a time limit; the run directories are kept under --runs and read back with
+recover_hsdp.record.timeline; plots and the numbers behind them go to --out (docs/results/ in the
+repository). docs/results.md has the reading. Experiments (``--exp``, default all, in this order):
+
+trajectory  llama_debug on the embedded corpus, W=8 S=1 G=2 (B=16), --steps (200) steps:
+            failure-free references with data.seed 0, 1, 2 (the data-order band), the resilient
+            run (data.seed 0) with 6 replicas killed at reduce bucket 1, spread across the run,
+            and drop-and-go (policy=adaptive) with the same kills.
+throughput  W=4 S=1 G=8 (the paper's grad-accum for this comparison); for each checkpoint
+            interval N in --intervals (2,4,8,16): checkpoint-restart (DCP every N steps; kills
+            at steps 1.5N, 2.5N, 3.5N, the whole job relaunched after each) and the resilient
+            run with the same kills (replicas 3, 2, 1 at reduce bucket 1), 4.5N steps each; plus
+            one asynchronous-checkpoint run at --async-interval. Effective throughput per
+            interval between consecutive kills, cumulative tokens vs process-hours, and the
+            single-failure breakdown of the first kill (kill at 1.5N, as in appendix A.1).
+control     oversubscription control: failure-free references at W = 4, 3, 2, 1 (G=8) for a few
+            steps. On 2 cores, 4 ranks each get half a core, 2 ranks a whole one: per-process
+            throughput rises when ranks die for a reason that has nothing to do with the method;
+            this measures by how much, so the throughput comparison can be read net of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXPERIMENTS = ("control", "trajectory", "throughput")
+KILL_BUCKET = 1
+
+TRAJ = {"replicas": 8, "grad_accum": 2, "kills_at_fraction": (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)}
+THRU = {"replicas": 4, "grad_accum": 8}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench paper {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="recover-hsdp bench paper",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--exp", default="all",
+                   help="comma-separated subset of " + ",".join(EXPERIMENTS) + " (default all)")
+    p.add_argument("--out", default=str(REPO / "docs" / "results"),
+                   help="plots + CSV/JSON (default docs/results)")
+    p.add_argument("--runs", default=str(REPO / "bench" / "runs" / "paper"),
+                   help="run directories (default bench/runs/paper)")
+    p.add_argument("--steps", type=int, default=200, help="trajectory steps (default 200)")
+    p.add_argument("--intervals", default="2,4,8,16",
+                   help="checkpoint intervals N for the throughput sweep (default 2,4,8,16)")
+    p.add_argument("--async-interval", type=int, default=4,
+                   help="N of the extra asynchronous-checkpoint run (0: none; default 4)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a run directory whose summary.json says every step committed")
+    p.add_argument("--run-timeout-s", type=float, default=900.0,
+                   help="time limit of each training job (default 900)")
+    p.add_argument("--analyze-only", action="store_true",
+                   help="run nothing; read the run directories already under --runs")
+    a = p.parse_args(list(argv))
+    exps = EXPERIMENTS if a.exp == "all" else tuple(x.strip() for x in a.exp.split(",") if x.strip())
+    bad = [x for x in exps if x not in EXPERIMENTS]
+    if bad:
+        p.error(f"--exp: unknown experiment {bad[0]!r} (have: {', '.join(EXPERIMENTS)})")
+    a.exps = exps
+    try:
+        a.Ns = [int(x) for x in a.intervals.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--intervals: {a.intervals!r} is not a comma-separated list of integers")
+    if not a.Ns or min(a.Ns) < 2 or any(n % 2 for n in a.Ns):
+        p.error(f"--intervals: {a.intervals!r}: each N must be an even integer >= 2 (kills at 1.5N)")
+    if a.steps < 40:
+        p.error(f"--steps: {a.steps} is too short for 6 spread kills (>= 40)")
+    return a
+
+
+# ------------------------------------------------------------------------------------ running
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+def _complete(run_dir: Path, steps: int) -> bool:
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return int(s.get("steps_committed", -1)) >= steps
+
+
+def write_schedule(path: Path, kills: Sequence[tuple[int, int]]) -> Path:
+    """kills: (step, replica) pairs -> a schedule file of kills at reduce bucket KILL_BUCKET."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = [{"step": int(s), "replica": int(r), "local_rank": 0, "location": "reduce",
+                "bucket": KILL_BUCKET} for s, r in kills]
+    path.write_text(yaml.safe_dump(entries, sort_keys=False, default_flow_style=None))
+    return path
+
+
+def train(run_dir: Path, overrides: Sequence[str], steps: int, args: argparse.Namespace) -> float:
+    """One `recover-hsdp train` job into run_dir; returns its wall time. Raises on failure."""
+    if args.reuse and _complete(run_dir, steps):
+        _log(f"{run_dir.name}: reused (complete)")
+        return 0.0
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", *overrides,
+           f"run.steps={steps}", f"run.output_dir={run_dir}", "run.overwrite=true",
+           "run.save_params_every=0", "run.log_every=20",
+           f"run.time_limit_s={args.run_timeout_s}"]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    _log(f"{run_dir.name}: {' '.join(overrides)}")
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.run_timeout_s + 120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{run_dir.name}: no result after {args.run_timeout_s + 120:.0f} s "
+                               f"(log: {log})") from None
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    wall = time.perf_counter() - t
+    if rc != 0:
+        tail = log.read_text().strip().splitlines()[-3:]
+        raise RuntimeError(f"{run_dir.name}: exit {rc} after {wall:.0f} s (log: {log}): "
+                           + " | ".join(tail))
+    _log(f"{run_dir.name}: done in {wall:.0f} s")
+    return wall
+
+
+def _shape(replicas: int, grad_accum: int) -> list[str]:
+    return ["model=llama_debug", f"parallel.replicas={replicas}", "parallel.shard_size=1",
+            f"parallel.grad_accum={grad_accum}"]
+
+
+def trajectory_kills(steps: int, replicas: int) -> list[tuple[int, int]]:
+    fr = TRAJ["kills_at_fraction"]
+    # the last replicas die first; replicas 0 and 1 survive (2 ranks keep both cores busy)
+    return [(int(round(f * steps)), replicas - 1 - i) for i, f in enumerate(fr)]
+
+
+def throughput_kills(n: int, replicas: int) -> list[tuple[int, int]]:
+    """Appendix A.1: kills at 1.5N, 2.5N, 3.5N, ... (replicas W-1, W-2, ...; one survives)."""
+    return [(int(1.5 * n) + i * n, replicas - 1 - i) for i in range(replicas - 1)]
+
+
+def run_trajectory(args: argparse.Namespace, root: Path) -> dict[str, Path]:
+    W, G = TRAJ["replicas"], TRAJ["grad_accum"]
+    sched = write_schedule(root / "kills.yaml", trajectory_kills(args.steps, W))
+    runs = {}
+    for seed in (0, 1, 2):
+        runs[f"reference-seed{seed}"] = (["baseline=reference", f"data.seed={seed}"])
+    runs["resilient"] = ["data.seed=0", f"failures.schedule={sched}"]
+    runs["drop-and-go"] = ["data.seed=0", "policy=adaptive", f"failures.schedule={sched}"]
+    dirs = {}
+    for name, extra in runs.items():
+        d = root / name
+        if not args.analyze_only:
+            train(d, _shape(W, G) + extra, args.steps, args)
+        dirs[name] = d
+    return dirs
+
+
+def run_throughput(args: argparse.Namespace, root: Path) -> dict[str, Path]:
+    W, G = THRU["replicas"], THRU["grad_accum"]
+    dirs = {}
+    plan = []
+    for n in args.Ns:
+        steps = int(4.5 * n)
+        sched = write_schedule(root / f"kills-N{n}.yaml", throughput_kills(n, W))
+        plan.append((f"cr-N{n}", ["baseline=checkpoint_restart", f"baseline.ckpt_interval={n}",
+                                  f"failures.schedule={sched}"], steps))
+        plan.append((f"resilient-N{n}", [f"failures.schedule={sched}"], steps))
+    if args.async_interval:
+        n = args.async_interval
+        sched = write_schedule(root / f"kills-N{n}.yaml", throughput_kills(n, W))
+        plan.append((f"cr-async-N{n}", ["baseline=checkpoint_restart", f"baseline.ckpt_interval={n}",
+                                        "baseline.ckpt_async=true", f"failures.schedule={sched}"],
+                     int(4.5 * n)))
+    for name, extra, steps in plan:
+        d = root / name
+        if not args.analyze_only:
+            train(d, _shape(W, G) + extra, steps, args)
+        dirs[name] = d
+    return dirs
+
+
+def run_control(args: argparse.Namespace, root: Path) -> dict[str, Path]:
+    G = THRU["grad_accum"]
+    dirs = {}
+    for w in (4, 3, 2, 1):
+        d = root / f"reference-W{w}"
+        if not args.analyze_only:
+            train(d, _shape(w, G) + ["baseline=reference"], 8, args)
+        dirs[f"reference-W{w}"] = d
+    return dirs
+
+
+# ----------------------------------------------------------------------------------- analysis
+def _timelines(dirs: dict[str, Path], interval: int | None = None) -> dict[str, Any]:
+    from recover_hsdp.record.timeline import load_timeline
+
+    return {name: load_timeline(d, label=name, interval=interval) for name, d in dirs.items()}
+
+
+def _report(out: Path, tls: Sequence[Any], bands: Sequence[str] = ()) -> None:
+    """The standard `recover-hsdp report` plots/CSV/JSON for these runs into out/."""
+    from recover_hsdp.tools import report
+
+    args = [str(tl.run_dir) for tl in tls] + ["--label", *[tl.label for tl in tls],
+                                              "--out", str(out)]
+    if bands:
+        args += ["--band", *bands]
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = report.main(args)
+    if rc:
+        raise RuntimeError(f"recover-hsdp report {' '.join(args)} exited {rc}")
+
+
+def _smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _losses(tl: Any) -> dict[int, float]:
+    return {c.step: float(c.loss) for c in tl.commits if c.loss is not None}
+
+
+def analyze_trajectory(args: argparse.Namespace, dirs: dict[str, Path], out: Path) -> dict:
+    """Is the resilient curve inside the band of failure-free runs that differ in data order?"""
+    tls = _timelines(dirs)
+    _report(out / "trajectory", list(tls.values()), bands=["reference-"])
+    refs = [n for n in tls if n.startswith("reference-")]
+    steps = sorted(set.intersection(*(set(_losses(tls[n])) for n in tls)))
+    window = 10
+    sm = {n: dict(zip(steps, _smooth([_losses(tls[n])[s] for s in steps], window))) for n in tls}
+    lo = {s: min(sm[r][s] for r in refs) for s in steps}
+    hi = {s: max(sm[r][s] for r in refs) for s in steps}
+    mid = {s: statistics.fmean(sm[r][s] for r in refs) for s in steps}
+    first_kill = min((k for k in tls["resilient"].kill_steps if k is not None), default=0)
+    after = [s for s in steps if s >= first_kill + window]   # smoothing windows fully after it
+    res: dict[str, Any] = {"steps": len(steps), "window": window, "references": refs,
+                           "first_kill_step": first_kill,
+                           "kill_steps": tls["resilient"].kill_steps,
+                           "band_halfwidth_median": statistics.median((hi[s] - lo[s]) / 2
+                                                                      for s in after),
+                           "runs": {}}
+    for n in tls:
+        dev = [sm[n][s] - mid[s] for s in after]
+        outside = [s for s in after if not (lo[s] <= sm[n][s] <= hi[s])]
+        excess = [max(sm[n][s] - hi[s], lo[s] - sm[n][s], 0.0) for s in after]
+        last = steps[-20:]
+        res["runs"][n] = {
+            "mode": tls[n].mode, "kills": len(tls[n].kills),
+            "divisors": sorted({c.divisor for c in tls[n].commits if c.divisor is not None}),
+            "inside_band_fraction": 1 - len(outside) / len(after),
+            "max_excursion_outside_band": max(excess),
+            "mean_dev_from_ref_mean": statistics.fmean(dev),
+            "mean_abs_dev_from_ref_mean": statistics.fmean(abs(d) for d in dev),
+            "final20_mean_loss": statistics.fmean(_losses(tls[n])[s] for s in last),
+            "wall_s": tls[n].wall_s, "process_hours": tls[n].process_hours}
+    return res
+
+
+def _first(intervals: list[dict]) -> dict:
+    return intervals[0] if intervals else {}
+
+
+def analyze_throughput(args: argparse.Namespace, dirs: dict[str, Path], out: Path) -> dict:
+    from recover_hsdp.record.timeline import (common_process_hours, effective_throughput_intervals,
+                                              tokens_at_process_hours)
+
+    control = None
+    cpath = out / "paper_control.json"
+    if cpath.exists():
+        control = json.loads(cpath.read_text())
+    res: dict[str, Any] = {"per_N": {}, "control_factor": control and control.get("factor")}
+    all_tls = []
+    for n in args.Ns:
+        tls = _timelines({f"cr-N{n}": dirs[f"cr-N{n}"], f"resilient-N{n}": dirs[f"resilient-N{n}"]},
+                         interval=n)
+        cr, rs = tls[f"cr-N{n}"], tls[f"resilient-N{n}"]
+        all_tls += [cr, rs]
+        _report(out / f"throughput_N{n}", [rs, cr])
+        ci, ri = effective_throughput_intervals(cr), effective_throughput_intervals(rs)
+        rows = []
+        for k in range(max(len(ci), len(ri))):
+            c = ci[k] if k < len(ci) else None
+            r = ri[k] if k < len(ri) else None
+            row = {"interval": k,
+                   "cr": c and c["effective_throughput"], "resilient": r and r["effective_throughput"],
+                   "alive_processes": r and r["alive_processes"]}
+            if c and r and c["effective_throughput"]:
+                row["ratio"] = r["effective_throughput"] / c["effective_throughput"]
+                f = (control or {}).get("factor", {}).get(str(r["alive_processes"]))
+                row["ratio_net_of_contention"] = row["ratio"] / f if f else None
+            rows.append(row)
+        ph = common_process_hours([cr, rs])
+        tok_cr, tok_rs = tokens_at_process_hours(cr, ph), tokens_at_process_hours(rs, ph)
+        res["per_N"][str(n)] = {
+            "intervals": rows,
+            "ratio_after_last_failure": rows[-1].get("ratio"),
+            "ratio_after_last_failure_net": rows[-1].get("ratio_net_of_contention"),
+            "common_process_hours": ph, "tokens_cr": tok_cr, "tokens_resilient": tok_rs,
+            "tokens_gain": (tok_rs / tok_cr - 1) if tok_cr else None,
+            "breakdown_cr": cr.breakdown[0] if cr.breakdown else None,
+            "breakdown_resilient": rs.breakdown[0] if rs.breakdown else None,
+            "wall_s": {"cr": cr.wall_s, "resilient": rs.wall_s},
+            "restarts": len(cr.attempts) - 1 if cr.attempts else None}
+    extra = [k for k in dirs if k.startswith("cr-async-")]
+    for name in extra:
+        n = int(name.rsplit("N", 1)[1])
+        tl = _timelines({name: dirs[name]}, interval=n)[name]
+        all_tls.append(tl)
+        res[name] = {"breakdown": tl.breakdown[0] if tl.breakdown else None,
+                     "intervals": [i["effective_throughput"]
+                                   for i in effective_throughput_intervals(tl)],
+                     "wall_s": tl.wall_s}
+    _report(out / "throughput_all", all_tls)
+    _plot_vs_n(res, args.Ns, out)
+    return res
+
+
+def _plot_vs_n(res: dict, Ns: Sequence[int], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comps = ("save", "normal", "failure_handling", "restart_init", "load", "rerun", "recovery")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    xs = list(range(len(Ns)))
+    for j, who in enumerate(("cr", "resilient")):
+        bottom = [0.0] * len(Ns)
+        for ci, comp in enumerate(comps):
+            vals = [((res["per_N"][str(n)].get(f"breakdown_{who}") or {}).get(comp) or 0.0)
+                    for n in Ns]
+            if not any(vals):
+                continue
+            ax.bar([x + (j - 0.5) * 0.38 for x in xs], vals, 0.36, bottom=bottom,
+                   color=plt.cm.tab10(ci), label=comp if j == 0 or who == "resilient" and
+                   comp == "recovery" else None, edgecolor="black" if who == "resilient" else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(xs, [f"N={n}\nCR | ReCoVer" for n in Ns])
+    ax.set_ylabel("seconds")
+    ax.set_title("single failure at step 1.5N: wall-clock breakdown")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for n in Ns:
+        rows = res["per_N"][str(n)]["intervals"]
+        ax.plot([r["interval"] for r in rows if r.get("ratio")],
+                [r["ratio"] for r in rows if r.get("ratio")], marker="o", label=f"N={n}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("interval between consecutive failures (0 = before the first)")
+    ax.set_ylabel("effective throughput ReCoVer / checkpoint-restart")
+    ax.set_title("effective throughput ratio across successive failures")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "paper_vs_N.png", dpi=110)
+    plt.close(fig)
+
+
+def analyze_control(args: argparse.Namespace, dirs: dict[str, Path], out: Path) -> dict:
+    """Per-process throughput of failure-free runs at W = 4..1: contention factor vs W = 4."""
+    tls = _timelines(dirs)
+    per = {}
+    for name, tl in tls.items():
+        w = int(name.rsplit("W", 1)[1])
+        cs = tl.commits[2:]   # skip 2 warm-up steps
+        dt = cs[-1].time - tl.commits[1].time
+        per[w] = sum(c.tokens for c in cs) / dt / (w * tl.processes_per_replica)
+    base = per[max(per)]
+    return {"per_process_tokens_per_s": {str(w): v for w, v in sorted(per.items())},
+            "factor": {str(w * 1): per[w] / base for w in sorted(per)}}
+
+
+ANALYZERS = {"trajectory": analyze_trajectory, "throughput": analyze_throughput,
+             "control": analyze_control}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def _r(x: float | None, nd: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def format_trajectory(r: dict) -> str:
+    lines = [f"trajectory: {r['steps']} steps, kills at {r['kill_steps']}, loss smoothed over "
+             f"{r['window']} steps; band = min..max of {', '.join(r['references'])} "
+             f"(median half-width {r['band_halfwidth_median']:.4f})",
+             f"  {'run':18s} {'inside band':>11s} {'max out':>8s} {'mean dev':>9s} "
+             f"{'mean|dev|':>9s} {'final20':>8s} {'divisors':>14s} {'wall s':>7s}"]
+    for n, v in r["runs"].items():
+        lines.append(f"  {n:18s} {100 * v['inside_band_fraction']:10.1f}% "
+                     f"{v['max_excursion_outside_band']:8.4f} {v['mean_dev_from_ref_mean']:+9.4f} "
+                     f"{v['mean_abs_dev_from_ref_mean']:9.4f} {v['final20_mean_loss']:8.4f} "
+                     f"{str(v['divisors']):>14s} {v['wall_s']:7.1f}")
+    return "\n".join(lines)
+
+
+def format_throughput(r: dict) -> str:
+    lines = ["throughput: effective throughput (tokens / s / allocated process) per interval "
+             "between kills; ratio = ReCoVer / checkpoint-restart"]
+    for n, v in r["per_N"].items():
+        iv = "  ".join(f"[{x['interval']}] {_r(x['resilient'], 0)}/{_r(x['cr'], 0)}="
+                       f"{_r(x.get('ratio'))}" for x in v["intervals"])
+        b_cr, b_rs = v["breakdown_cr"] or {}, v["breakdown_resilient"] or {}
+        lines.append(f"  N={n:>2s}: {iv}")
+        lines.append(f"        after last failure {_r(v['ratio_after_last_failure'])}x "
+                     f"(net of contention {_r(v['ratio_after_last_failure_net'])}x); tokens at "
+                     f"{v['common_process_hours'] * 3600:.0f} process-s: {v['tokens_resilient']} vs "
+                     f"{v['tokens_cr']} ({_pct(v['tokens_gain'])}); first failure: CR "
+                     f"{_r(b_cr.get('total'))} s vs ReCoVer {_r(b_rs.get('total'))} s")
+    return "\n".join(lines)
+
+
+def format_control(r: dict) -> str:
+    return ("control (failure-free, per-process tokens/s by alive processes): "
+            + ", ".join(f"W={w}: {v:.0f} (x{r['factor'][w]:.2f})"
+                        for w, v in r["per_process_tokens_per_s"].items()))
+
+
+FORMATTERS = {"trajectory": format_trajectory, "throughput": format_throughput,
+              "control": format_control}
+
+
+RUNNERS = {"trajectory": run_trajectory, "throughput": run_throughput, "control": run_control}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    runs_root, out = Path(args.runs), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for exp in args.exps:
+        t = time.perf_counter()
+        try:
+            dirs = RUNNERS[exp](args, runs_root / exp)
+        except RuntimeError as e:
+            print(f"recover-hsdp bench paper: {exp}: {e}", file=sys.stderr)
+            return 1
+        results[exp] = ANALYZERS[exp](args, dirs, out)
+        results[exp]["bench_wall_s"] = round(time.perf_counter() - t, 1)
+        (out / f"paper_{exp}.json").write_text(json.dumps(results[exp], indent=2, sort_keys=True)
+                                               + "\n")
+        print(FORMATTERS[exp](results[exp]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
