@@ -290,7 +290,54 @@ def analyze_trajectory(args: argparse.Namespace, dirs: dict[str, Path], out: Pat
             "mean_abs_dev_from_ref_mean": statistics.fmean(abs(d) for d in dev),
             "final20_mean_loss": statistics.fmean(_losses(tls[n])[s] for s in last),
             "wall_s": tls[n].wall_s, "process_hours": tls[n].process_hours}
+    _plot_deviation(out / "trajectory_deviation.png", tls, refs, steps, sm, lo, hi, mid, window)
+    # Leave-one-out: a held-out reference seed against the band of the OTHER references is what
+    # "statistically the same as another data order" looks like; score every run the same way.
+    loo: dict[str, list[tuple[float, float]]] = {"reference (held out)": []}
+    for held in refs:
+        others = [r for r in refs if r != held]
+        if len(others) < 2:
+            break
+        blo = {s: min(sm[r][s] for r in others) for s in after}
+        bhi = {s: max(sm[r][s] for r in others) for s in after}
+        bmid = {s: statistics.fmean(sm[r][s] for r in others) for s in after}
+        for n in [held] + [x for x in tls if x not in refs]:
+            key = "reference (held out)" if n == held else n
+            inside = sum(blo[s] <= sm[n][s] <= bhi[s] for s in after) / len(after)
+            mad = statistics.fmean(abs(sm[n][s] - bmid[s]) for s in after)
+            loo.setdefault(key, []).append((inside, mad))
+    res["leave_one_out"] = {k: {"inside_band_fraction": statistics.fmean(v[0] for v in vals),
+                                "mean_abs_dev_from_band_mean": statistics.fmean(v[1] for v in vals)}
+                            for k, vals in loo.items() if vals}
     return res
+
+
+def _plot_deviation(path: Path, tls: dict, refs: list[str], steps: list[int], sm: dict,
+                    lo: dict, hi: dict, mid: dict, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.fill_between(steps, [lo[s] - mid[s] for s in steps], [hi[s] - mid[s] for s in steps],
+                    color="tab:blue", alpha=0.25, label=f"failure-free band ({len(refs)} data orders)")
+    colors = {"resilient": "tab:orange", "drop-and-go": "tab:green"}
+    for n in tls:
+        if n in refs:
+            continue
+        ax.plot(steps, [sm[n][s] - mid[s] for s in steps], color=colors.get(n), label=n)
+    for k in tls.get("resilient", next(iter(tls.values()))).kill_steps:
+        if k is not None:
+            ax.axvline(k, color="red", lw=0.6, alpha=0.6)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("step (red: a replica killed mid-reduction)")
+    ax.set_ylabel(f"loss - reference mean ({window}-step mean)")
+    ax.set_title("Trajectory: deviation from the failure-free references")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _first(intervals: list[dict]) -> dict:
@@ -429,6 +476,10 @@ def format_trajectory(r: dict) -> str:
                      f"{v['max_excursion_outside_band']:8.4f} {v['mean_dev_from_ref_mean']:+9.4f} "
                      f"{v['mean_abs_dev_from_ref_mean']:9.4f} {v['final20_mean_loss']:8.4f} "
                      f"{str(v['divisors']):>14s} {v['wall_s']:7.1f}")
+    lines.append("  leave-one-out (band of the other references; averaged over which one is held out):")
+    for n, v in r.get("leave_one_out", {}).items():
+        lines.append(f"    {n:22s} inside {100 * v['inside_band_fraction']:5.1f}%   mean|dev| "
+                     f"{v['mean_abs_dev_from_band_mean']:.4f}")
     return "\n".join(lines)
 
 
