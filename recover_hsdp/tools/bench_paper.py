@@ -62,6 +62,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="checkpoint intervals N for the throughput sweep (default 2,4,8,16)")
     p.add_argument("--async-interval", type=int, default=4,
                    help="N of the extra asynchronous-checkpoint run (0: none; default 4)")
+    p.add_argument("--window", type=int, default=10,
+                   help="trajectory: steps in the trailing loss mean that is scored (default 10)")
     p.add_argument("--reuse", action="store_true",
                    help="keep a run directory whose summary.json says every step committed")
     p.add_argument("--run-timeout-s", type=float, default=900.0,
@@ -80,6 +82,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--intervals: {a.intervals!r} is not a comma-separated list of integers")
     if not a.Ns or min(a.Ns) < 2 or any(n % 2 for n in a.Ns):
         p.error(f"--intervals: {a.intervals!r}: each N must be an even integer >= 2 (kills at 1.5N)")
+    if a.window < 1:
+        p.error(f"--window: {a.window} must be >= 1")
     if a.steps < 40:
         p.error(f"--steps: {a.steps} is too short for 6 spread kills (>= 40)")
     return a
@@ -263,7 +267,7 @@ def analyze_trajectory(args: argparse.Namespace, dirs: dict[str, Path], out: Pat
     _report(out / "trajectory", list(tls.values()), bands=["reference-"])
     refs = [n for n in tls if n.startswith("reference-")]
     steps = sorted(set.intersection(*(set(_losses(tls[n])) for n in tls)))
-    window = 10
+    window = args.window
     sm = {n: dict(zip(steps, _smooth([_losses(tls[n])[s] for s in steps], window))) for n in tls}
     lo = {s: min(sm[r][s] for r in refs) for s in steps}
     hi = {s: max(sm[r][s] for r in refs) for s in steps}
