@@ -6,7 +6,7 @@ recover_hsdp.record.timeline; plots and the numbers behind them go to --out (doc
 repository). docs/results.md has the reading. Experiments (``--exp``, default all, in this order):
 
 trajectory  llama_debug on the embedded corpus, W=8 S=1 G=2 (B=16), --steps (200) steps:
-            failure-free references with data.seed 0, 1, 2 (the data-order band), the resilient
+            failure-free references with data.seed 0..--ref-seeds-1 (the data-order band), the resilient
             run (data.seed 0) with 6 replicas killed at reduce bucket 1, spread across the run,
             and drop-and-go (policy=adaptive) with the same kills.
 throughput  W=4 S=1 G=8 (the paper's grad-accum for this comparison); for each checkpoint
@@ -62,6 +62,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="checkpoint intervals N for the throughput sweep (default 2,4,8,16)")
     p.add_argument("--async-interval", type=int, default=4,
                    help="N of the extra asynchronous-checkpoint run (0: none; default 4)")
+    p.add_argument("--ref-seeds", type=int, default=3,
+                   help="trajectory: failure-free references with data.seed 0..K-1 (default 3)")
     p.add_argument("--window", type=int, default=10,
                    help="trajectory: steps in the trailing loss mean that is scored (default 10)")
     p.add_argument("--reuse", action="store_true",
@@ -82,6 +84,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--intervals: {a.intervals!r} is not a comma-separated list of integers")
     if not a.Ns or min(a.Ns) < 2 or any(n % 2 for n in a.Ns):
         p.error(f"--intervals: {a.intervals!r}: each N must be an even integer >= 2 (kills at 1.5N)")
+    if a.ref_seeds < 2:
+        p.error(f"--ref-seeds: {a.ref_seeds} must be >= 2 (a band needs two references)")
     if a.window < 1:
         p.error(f"--window: {a.window} must be >= 1")
     if a.steps < 40:
@@ -174,8 +178,8 @@ def run_trajectory(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     W, G = TRAJ["replicas"], TRAJ["grad_accum"]
     sched = write_schedule(root / "kills.yaml", trajectory_kills(args.steps, W))
     runs = {}
-    for seed in (0, 1, 2):
-        runs[f"reference-seed{seed}"] = (["baseline=reference", f"data.seed={seed}"])
+    for seed in range(args.ref_seeds):
+        runs[f"reference-seed{seed}"] = ["baseline=reference", f"data.seed={seed}"]
     runs["resilient"] = ["data.seed=0", f"failures.schedule={sched}"]
     runs["drop-and-go"] = ["data.seed=0", "policy=adaptive", f"failures.schedule={sched}"]
     dirs = {}

@@ -26,6 +26,7 @@ def test_trajectory_kills_spread_and_leave_two_replicas():
     (["--exp", "nope"], "unknown experiment 'nope'"),
     (["--steps", "10"], "too short"),
     (["--window", "0"], "--window"),
+    (["--ref-seeds", "1"], "--ref-seeds"),
 ])
 def test_bad_arguments_exit_2_naming_the_option(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
