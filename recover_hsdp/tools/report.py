@@ -27,21 +27,14 @@ from recover_hsdp.record.timeline import (
     tokens_at_process_hours,
     tokens_vs_process_hours,
 )
+from recover_hsdp.tools._args import OneLineParser as _Parser
+from recover_hsdp.tools._args import UsageError as _UsageError
 
 PROG = "recover-hsdp report"
 EXIT_USAGE = 2
 FILES = ("loss", "throughput", "tokens_vs_process_hours", "breakdown")
 COLORS = {"save": "#8c564b", "normal": "#7f7f7f", "failure_handling": "#d62728",
           "restart_init": "#ff7f0e", "load": "#9467bd", "rerun": "#e377c2", "recovery": "#2ca02c"}
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        raise _UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,16 +17,10 @@ import json
 import sys
 from collections.abc import Sequence
 
+from recover_hsdp.tools._args import OneLineParser as _Parser
+from recover_hsdp.tools._args import UsageError as _UsageError
+
 PROG = "recover-hsdp verify"
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        raise _UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
