@@ -136,9 +136,13 @@ def test_ctrl_c_stops_mpirun_and_every_rank(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     args = ["run.steps=2", f"run.output_dir={tmp_path}/r"]
+    # A job started in the background by a non-interactive shell (a CI runner may do this)
+    # inherits SIGINT as ignored, and Python then installs no KeyboardInterrupt handler: give the
+    # launcher the default disposition, as a terminal's foreground job has.
     proc = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train", *args],
                             cwd=tmp_path, env=_env(FAKE_HANG=str(pids)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stdout:
         seen.append(line)
