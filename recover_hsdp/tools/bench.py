@@ -13,6 +13,10 @@ import sys
 import recover_hsdp.tools as _tools
 
 
+# Whole experiments (tens of minutes, optional extras): run by name, not by `bench all`.
+EXPERIMENTS = ("paper", "peers")
+
+
 def available() -> list[str]:
     return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(_tools.__path__)
                   if m.name.startswith("bench_"))
@@ -21,12 +25,15 @@ def available() -> list[str]:
 def main(argv: list[str]) -> int:
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: recover-hsdp bench {all|" + "|".join(names) + "} [args...]")
+        print("usage: recover-hsdp bench {all|" + "|".join(names) + "} [args...]   "
+              "(all = every one except the experiments " + ", ".join(EXPERIMENTS) + ")")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "all":
         rc = 0
-        for n in names:
+        print("bench all: the micro-benchmarks; run the experiments by name: "
+              + ", ".join(f"recover-hsdp bench {n}" for n in EXPERIMENTS), flush=True)
+        for n in (n for n in names if n not in EXPERIMENTS):
             print(f"== bench {n} ==", flush=True)
             rc |= int(importlib.import_module(f"recover_hsdp.tools.bench_{n}").main([]) or 0)
         return rc
