@@ -24,6 +24,8 @@ control     oversubscription control: failure-free references at W = 4, 3, 2, 1 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -241,9 +243,6 @@ def _report(out: Path, tls: Sequence[Any], bands: Sequence[str] = ()) -> None:
                                               "--out", str(out)]
     if bands:
         args += ["--band", *bands]
-    import contextlib
-    import io
-
     with contextlib.redirect_stdout(io.StringIO()):
         rc = report.main(args)
     if rc:
@@ -346,10 +345,6 @@ def _plot_deviation(path: Path, tls: dict, refs: list[str], steps: list[int], sm
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _first(intervals: list[dict]) -> dict:
-    return intervals[0] if intervals else {}
 
 
 def analyze_throughput(args: argparse.Namespace, dirs: dict[str, Path], out: Path) -> dict:
@@ -499,8 +494,10 @@ def format_throughput(r: dict) -> str:
                        f"{_r(x.get('ratio'))}" for x in v["intervals"])
         b_cr, b_rs = v["breakdown_cr"] or {}, v["breakdown_resilient"] or {}
         lines.append(f"  N={n:>2s}: {iv}")
+        net = v["ratio_after_last_failure_net"]
         lines.append(f"        after last failure {_r(v['ratio_after_last_failure'])}x "
-                     f"(net of contention {_r(v['ratio_after_last_failure_net'])}x); tokens at "
+                     f"(net of contention {'n/a: no control run' if net is None else f'{net:.2f}x'});"
+                     f" tokens at "
                      f"{v['common_process_hours'] * 3600:.0f} process-s: {v['tokens_resilient']} vs "
                      f"{v['tokens_cr']} ({_pct(v['tokens_gain'])}); first failure: CR "
                      f"{_r(b_cr.get('total'))} s vs ReCoVer {_r(b_rs.get('total'))} s")
