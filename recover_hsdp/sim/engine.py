@@ -53,12 +53,15 @@ class SimResult:
         return self.committed_mb * self.tokens_per_mb / (self.gpus * self.wall_s / 3600.0)
 
     def summary(self) -> dict:
+        seconds = dict(self.seconds)
+        if self.mode != "stall":   # the rest: slower steps (G grew, spares idle) or smaller ones
+            seconds["degraded"] = max(0.0, self.wall_s * (1.0 - self.ettr) - sum(seconds.values()))
         return {"label": self.label, "mode": self.mode, "ettr": self.ettr,
                 "tokens_per_gpu_hour": self.tokens_per_gpu_hour, "steps": self.steps,
                 "tokens": self.committed_mb * self.tokens_per_mb, "gpus": self.gpus,
                 "wall_s": self.wall_s, "failures": self.failures, "restarts": self.restarts,
                 "boundaries": self.boundaries, "checkpoints": self.checkpoints,
-                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "seconds": {k: round(v, 3) for k, v in seconds.items()},
                 "params": self.params}
 
 
