@@ -31,7 +31,8 @@ PRESETS = {
     # FT-HSDP (arXiv 2602.00277) at ~100k GPUs; its failure interval (18 min) as the ReCoVer
     # paper quotes it from [29]; stall per failure 10 min synchronous vs 3 min FT-HSDP.
     "ft-hsdp": {"gpus": 100_000, "job_mtbf_min": 18.0, "restart": 600.0,
-                "stalls": [("synchronous (stall 10 min)", 600.0), ("FT-HSDP (stall 3 min)", 180.0)]},
+                "stalls": [("synchronous (stall 10 min)", 600.0),
+                           ("FT-HSDP (stall 3 min)", 180.0)]},
     # Llama 3 405B: 419 interruptions / 54 days / 16,384 GPUs; 10-minute restart.
     "llama3": {"gpus": 100_000, "gpu_hours": LLAMA3_GPU_HOURS_PER_FAILURE, "restart": 600.0,
                "stalls": []},
