@@ -14,9 +14,9 @@ import random
 from dataclasses import dataclass, field
 
 from recover_hsdp.policy.counts import CountModel
-from recover_hsdp.policy.layout import Layout, advance_layout
+from recover_hsdp.policy.layout import Layout, PolicyError, advance_layout
 from recover_hsdp.sim.costs import CostModel, Scenario
-from recover_hsdp.sim.failures import PoissonFailures
+from recover_hsdp.sim.failures import PoissonFailures, TraceError
 
 INF = float("inf")
 
@@ -187,7 +187,10 @@ def run_inplace(scn: Scenario, cost: CostModel, *, adaptive: bool = False, rejoi
                 fatal = f
                 break
             if f.role:
-                out = model.fail_roles([f.role] * victims)
+                try:
+                    out = model.fail_roles([f.role] * victims)
+                except PolicyError as e:
+                    raise TraceError(f"trace failure at step {step}: {e}") from None
             else:
                 out = model.fail(model.random_victims(vrng, victims))
             res.proc_changes.append((f.time, model.alive * gpr))

@@ -157,6 +157,25 @@ def test_trace_file(tmp_path):
     assert read_trace(csvp)[0].kind == "hang"
 
 
+def test_trace_role_nobody_holds_is_a_one_line_error(tmp_path, capsys):
+    p = tmp_path / "trace.jsonl"
+    p.write_text('{"step": 1, "role": "minor_spare"}\n')
+    assert cli.main(["--trace", str(p), "--gpus", "64", "--gpus-per-replica", "8",
+                     "--spares", "0", "--restart-below", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "minor_spare" in err
+
+
+def test_sweep_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from recover_hsdp.sim.plan import plot_sweep
+    pt = {"gpus": 1024, "job_mtbf_min": 30.0, "ettr": {"recover_hsdp": 0.95, "cr": 0.6}}
+    paths = plot_sweep({"scale": [pt, dict(pt, gpus=4096)], "mtbf": [pt]}, str(tmp_path))
+    assert len(paths) == 2
+    for path in paths:
+        assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_calibration_predicts_runs_it_was_not_fitted_to():
     """Fit on the first sweep's N=8 runs; predict N=2, 4, 16 of both sweeps and N=8 of the
     second (docs/results.md section 2): ReCoVer / checkpoint-restart throughput per interval."""
