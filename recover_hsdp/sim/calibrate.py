@@ -48,6 +48,7 @@ class MeasuredRun:
     breakdown: list[dict] = field(default_factory=list)
     ckpt_interval: int | None = None
     source: str = ""
+    g_init: int | None = None            # from meta.json when known, else from the tokens
 
 
 def load_measured(path: str | Path) -> list[MeasuredRun]:
@@ -63,7 +64,7 @@ def load_measured(path: str | Path) -> list[MeasuredRun]:
     return [MeasuredRun(tl.label, tl.mode, tl.w_init, tl.processes_per_replica,
                         tl.commits[0].tokens, {c.step: c.time - tl.t0 for c in tl.commits},
                         [s for s in tl.kill_steps if s is not None], tl.breakdown,
-                        tl.ckpt_interval, str(p))]
+                        tl.ckpt_interval, str(p), tl.meta.get("g_init"))]
 
 
 def _from_report(p: Path) -> list[MeasuredRun]:
@@ -100,7 +101,7 @@ def calibrate(paths: list[str], tokens_per_mb: int, cost: CostModel | None = Non
     repairs, cr_mb, ours_mb = [], [], []
     cr = {"failure_handling": [], "restart_init": [], "load": [], "save": []}
     for r in runs:
-        g = r.tokens_per_step // tokens_per_mb // r.w_init
+        g = int(r.g_init or r.tokens_per_step // tokens_per_mb // r.w_init)
         if g < 1:
             raise CalibrationError(f"{r.source}: {r.label}: {r.tokens_per_step} tokens per step "
                                    f"< one {tokens_per_mb}-token microbatch per replica")

@@ -176,6 +176,21 @@ def test_sweep_plots(tmp_path):
         assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_calibration_from_run_directories(tmp_path, monkeypatch):
+    """Synthetic run directories with exact clocks (tests/unit/_runs.py): W=4, G=2, 10-s steps,
+    kills at steps 3 and 7; checkpoint-restart W=2 x S=2."""
+    from recover_hsdp.record.timeline import load_timeline
+    from tests.unit._runs import cr_run, resilient_run
+    res, cr = resilient_run(tmp_path, monkeypatch), cr_run(tmp_path, monkeypatch)
+    cost, notes = calibrate([str(res), str(cr)], 512)
+    # P = 2 (4 alive), 3 (3 alive: algorithm 7 for B = 8), 4 (2 alive); every step 10 s
+    assert cost.t_mb_by_alive == pytest.approx({4: 5.0, 3: 10 / 3, 2: 2.5})
+    # the first kill: 5 s kill -> commit, of which G_ext = 1 microbatch of 10/3 s
+    assert cost.repair == pytest.approx(5.0 - 10 / 3)
+    assert cost.restart == pytest.approx(load_timeline(cr).breakdown[0]["restart_init"])
+    assert "calibration" in cost.sources["restart"]
+
+
 def test_calibration_predicts_runs_it_was_not_fitted_to():
     """Fit on the first sweep's N=8 runs; predict N=2, 4, 16 of both sweeps and N=8 of the
     second (docs/results.md section 2): ReCoVer / checkpoint-restart throughput per interval."""
