@@ -66,7 +66,7 @@ DEFAULT_SOURCES = {
     "detect": "Open MPI 5.0.11 default mpi_ft_detector_timeout = 10 s (ompi_info); a process "
               "crash on a live node is reported sooner by the runtime",
     "repair": "assumed (unmeasured at scale): agree + shrink over the failure domain, rewind; "
-              "0.06 s measured at 4 ranks here (docs/results.md section 4 minus extension)",
+              "0.07 s measured at 4 ranks here (section 4 of docs/results.md minus the extension)",
     "hang_timeout": "torchtitan's recommended 120 s process-group timeout with torchft (#2899)",
     "cr_detect": "assumed = detect: the job is torn down after the same timeout",
     "restart": "10 min relaunch at ~100k GPUs (FT-HSDP, arXiv 2602.00277; ReCoVer paper [29])",
