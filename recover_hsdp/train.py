@@ -419,8 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flags.worker is not None:
         return worker_main(flags.worker)
     if "OMPI_COMM_WORLD_RANK" in os.environ:
-        print_error("started inside an MPI job: `recover-hsdp train` launches mpirun itself (run it "
-             "outside mpirun; ranks run `python -m recover_hsdp.train --worker FILE`)")
+        print_error("started inside an MPI job: `recover-hsdp train` launches mpirun itself "
+                    "(run it outside mpirun; ranks run `python -m recover_hsdp.train --worker "
+                    "FILE`)")
         return EXIT_CONFIG
 
     from recover_hsdp.config import TrainConfigError

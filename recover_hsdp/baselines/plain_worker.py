@@ -153,7 +153,7 @@ class _ReducePoints:
 
         from recover_hsdp.hsdp import fsdp_hybrid as fh
 
-        self._bucket = {id(h): i for i, (_, h) in enumerate(fh._handles(module))}
+        self._bucket = {id(h): i for i, (_, h) in enumerate(fh.flat_param_handles(module))}
         self._check = check
         self.step = 0
         for name in ("_reduce_grad", "_reduce_grad_no_shard"):
@@ -247,7 +247,7 @@ def run_plain_worker(cfg: Any) -> int:
     tokens_per_step = B * S * tpm
 
     # --- failure schedule (checkpoint_restart): entries that already fired are dropped ------
-    n_buckets = len(fh._handles(module))
+    n_buckets = len(fh.flat_param_handles(module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
         W, S, G, n_buckets, steps=steps, base_dir=None)
     fired = fired_entries(run_dir)
