@@ -2,7 +2,7 @@
 
     python -m recover_hsdp.peers.torchft_worker SPEC.json
 
-SPEC (written by `recover_hsdp.tools.bench_peers`): mode ("torchft_dynamic" | "torchft_fixed" |
+SPEC (written by `recover_hsdp.bench.peers`): mode ("torchft_dynamic" | "torchft_fixed" |
 "plain_ddp"), replica, replicas (N), attempt, run_dir, steps, grad_accum (G), seed, model / data /
 optim (the same mappings `recover-hsdp train` resolves), lighthouse ("http://127.0.0.1:PORT"),
 min_replica_size, pg_timeout_s, bucket_cap_mb, kill ({step, bucket} or null), notify_fd,

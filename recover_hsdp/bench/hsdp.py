@@ -5,7 +5,7 @@ here, one after the other (never two at once), each with a time limit; docs/benc
 definitions, the last figures and their reading. Phases (``--phases``, default all, in this order):
 
 overhead     one job per G in --grad-accum (default 2, then 1) of W x S ranks (default 2 x 2)
-             running recover_hsdp.tools._bench_hsdp_worker:
+             running recover_hsdp.bench.hsdp_worker:
              plain FSDP HYBRID_SHARD (gloo shard group + gloo replicate group, FSDP's own
              all-reduce inside every backward and its own divide) and the resilient
              ``HSDPULFMTrainingManager.train_step`` in the SAME processes, same model, data ids,
@@ -55,15 +55,16 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from recover_hsdp.bench import harness as H
+from recover_hsdp.bench.harness import median, quartiles, spread
 
 OVERHEAD_TARGET = 1.05
 RECOVERY_TARGET_S = 1.0
@@ -85,59 +86,27 @@ PHASES = ("overhead", "trainer", "nonboundary", "boundary")
 # ------------------------------------------------------------------------------------------
 # arguments and configs
 # ------------------------------------------------------------------------------------------
-def _phases(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if names == ["all"]:
-        return list(PHASES)
-    bad = [p for p in names if p not in PHASES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown phase(s) {', '.join(bad) or '(none)'}; choose from all or "
-            f"{','.join(PHASES)}")
-    return [p for p in PHASES if p in names]
-
-
-def _g_list(text: str) -> list[int]:
-    try:
-        gs = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
-    if not gs or any(g < 1 for g in gs):
-        raise argparse.ArgumentTypeError(f"every G must be >= 1, got {text!r}")
-    return gs
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="recover-hsdp bench hsdp",
-        description="Failure-free overhead (vs plain FSDP HYBRID_SHARD) and recovery time of the "
-                    "resilient HSDP trainer; see docs/bench_hsdp.md.")
-    p.add_argument("--phases", type=_phases, default=list(PHASES),
+    p = H.parser("hsdp", "Failure-free overhead (vs plain FSDP HYBRID_SHARD) and recovery time "
+                 "of the resilient HSDP trainer; see docs/bench_hsdp.md.", out="hsdp.json",
+                 timeout=180.0)
+    p.add_argument("--phases", type=H.choice_list(PHASES, what="phase"), default=list(PHASES),
                    help=f"comma list of {','.join(PHASES)} (default: all)")
     p.add_argument("--model", choices=sorted(MODELS), default="debug",
                    help="debug = conf/model/llama_debug.yaml (default); tiny = the e2e tests'")
-    p.add_argument("--replicas", type=_positive, default=2, help="W of the overhead jobs")
-    p.add_argument("--shard-size", type=_positive, default=2,
+    p.add_argument("--replicas", type=H.positive_int, default=2, help="W of the overhead jobs")
+    p.add_argument("--shard-size", type=H.positive_int, default=2,
                    help="S of the overhead jobs (>= 2: with S = 1 FSDP turns HYBRID_SHARD into "
                         "NO_SHARD and the baseline would not reduce across replicas)")
-    p.add_argument("--grad-accum", type=_g_list, default=[2, 1],
+    p.add_argument("--grad-accum", type=H.int_list, default=[2, 1],
                    help="G of the overhead jobs, one job per value (default 2,1); the first is "
                         "the headline and the trainer phase's G")
-    p.add_argument("--micro-batch-size", type=_positive, default=2, help="rows per rank")
-    p.add_argument("--seq-len", type=_positive, default=64)
-    p.add_argument("--steps", type=_positive, default=40, help="timed steps per arm")
+    p.add_argument("--micro-batch-size", type=H.positive_int, default=2, help="rows per rank")
+    p.add_argument("--seq-len", type=H.positive_int, default=64)
+    p.add_argument("--steps", type=H.positive_int, default=40, help="timed steps per arm")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--kills", type=_positive, default=5,
+    p.add_argument("--kills", type=H.positive_int, default=5,
                    help="at least this many kills per recovery kind (default 5)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds per mpirun job")
-    p.add_argument("--out", default="bench/results/hsdp.json")
     p.add_argument("--work-dir", default=None,
                    help="where run directories go (default: a temporary one, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
@@ -190,28 +159,6 @@ def recovery_runs(kind: str, n_kills: int) -> tuple[int, list[list[dict]]]:
 # ------------------------------------------------------------------------------------------
 # statistics
 # ------------------------------------------------------------------------------------------
-def median(xs: Iterable[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def quartiles(xs: Sequence[float]) -> tuple[float | None, float | None]:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None, None
-    if len(xs) == 1:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def spread(xs: Sequence[float]) -> dict:
-    xs = [x for x in xs if x is not None]
-    q1, q3 = quartiles(xs)
-    return {"n": len(xs), "median": median(xs), "min": min(xs) if xs else None,
-            "max": max(xs) if xs else None, "p25": q1, "p75": q3}
-
-
 def summarize_overhead(rank_results: Sequence[dict]) -> dict:
     """Per step: median over ranks of each arm; then medians, ratios and quartiles."""
     if not rank_results:
@@ -438,6 +385,10 @@ def _load(x: Sequence[float] | None) -> str:
     return "-" if not x else "/".join(f"{v:.1f}" for v in x)
 
 
+def _say(msg: str) -> None:
+    H.say("hsdp", msg)
+
+
 # ------------------------------------------------------------------------------------------
 # jobs
 # ------------------------------------------------------------------------------------------
@@ -462,19 +413,7 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
         with open(os.devnull, "wb") as sink:
             o = L.run_job(cmd, env, log_path=log, time_limit_s=timeout, stdout=sink)
     return {"name": name, "wall_s": o.wall_s, "returncode": o.returncode, "stopped": o.stopped,
-            "log": str(log), "load": list(os.getloadavg())}
-
-
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _say(msg: str) -> None:
-    print(f"[bench hsdp {time.strftime('%H:%M:%S')} load "
-          f"{_load(os.getloadavg())}] {msg}", file=sys.stderr, flush=True)
+            "log": str(log), "load": H.load()}
 
 
 def run_overhead(args, work: Path, result: dict, G: int) -> None:
@@ -485,13 +424,13 @@ def run_overhead(args, work: Path, result: dict, G: int) -> None:
     cfg["bench"] = {"warmup": args.warmup, "steps": args.steps}
     out_dir = work / name / "ranks"
     _say(f"overhead: {W}x{S} ranks, G={G}, {args.warmup}+{args.steps} steps per arm")
-    job = launch(name, "recover_hsdp.tools._bench_hsdp_worker", cfg, work, args.timeout,
+    job = launch(name, "recover_hsdp.bench.hsdp_worker", cfg, work, args.timeout,
                  [str(out_dir)])
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if len(ranks) != W * S:
         result["errors"].append(f"{name} job: {len(ranks)}/{W * S} ranks reported "
                                 f"(stopped={job['stopped']}); log {job['log']}:\n"
-                                + _tail(job["log"]))
+                                + H.tail(job["log"]))
         return
     s = summarize_overhead(ranks)
     s.update(config={"W": W, "S": S, "G": G, "model": args.model, "seq_len": args.seq_len,
@@ -512,7 +451,7 @@ def run_trainer(args, work: Path, result: dict) -> None:
     job = launch("trainer", "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
     if not (run_dir / "summary.json").exists():
         result["errors"].append(f"trainer job did not finish (stopped={job['stopped']}); log "
-                                f"{job['log']}:\n" + _tail(job["log"]))
+                                f"{job['log']}:\n" + H.tail(job["log"]))
         return
     s = trainer_steps(read_run(run_dir), args.warmup)
     ref = [o for o in result.get("overhead") or [] if o["config"]["G"] == G]
@@ -539,7 +478,7 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
         job = launch(name, "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
         if not (run_dir / "summary.json").exists():
             result["errors"].append(f"{name} did not finish (stopped={job['stopped']}); log "
-                                    f"{job['log']}:\n" + _tail(job["log"]))
+                                    f"{job['log']}:\n" + H.tail(job["log"]))
             continue
         rec = read_run(run_dir)
         for r in analyze_kills(rec, W, G):
@@ -567,9 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     result: dict[str, Any] = {
         "command": ("recover-hsdp bench hsdp " + shown).strip(),
-        "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "python": platform.python_version(), "load_start": list(os.getloadavg()),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "errors": [],
+        **H.machine(torch=torch.__version__), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "errors": [],
         "targets": {"overhead_ratio_max": OVERHEAD_TARGET, "recovery_s_max": RECOVERY_TARGET_S},
         "args": {k: v for k, v in vars(args).items()},
     }
@@ -587,12 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 run_recovery(args, work, result, phase)
     finally:
-        result["load_end"] = list(os.getloadavg())
+        result["load_end"] = H.load()
         result["wall_s"] = time.time() - t0
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        result["out"] = str(out)
+        result["out"] = str(H.write_json(args.out, result))
         if own_tmp and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(format_table(result), flush=True)

@@ -10,7 +10,7 @@ has the last figures and their reading.
 Both arms come from ONE resolved config (the CLI's own compose/resolve/validate of the overrides
 below), so N, G, micro_batch_size, seq_len, model, seed, data and optimizer are the same:
 
-plain  in a fresh process of its own (``python -m recover_hsdp.tools.bench_stack --plain-worker
+plain  in a fresh process of its own (``python -m recover_hsdp.bench.stack --plain-worker
        OUT``, OMP_NUM_THREADS and torch.set_num_threads = --threads, like the stack's rank with
        run.omp_num_threads=1), the same start conditions as the stack's rank:
        ``build_model(model, seed=run.seed)``,
@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -62,6 +61,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from recover_hsdp.bench import harness as H
+from recover_hsdp.bench.harness import median_after
+
 REPO = Path(__file__).resolve().parents[2]
 PROG = "recover-hsdp bench stack"
 
@@ -69,45 +71,25 @@ PROG = "recover-hsdp bench stack"
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-def _pos_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {v!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
-    return n
-
-
-def _nonneg_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {v!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {n})")
-    return n
-
-
 FIXED_KEYS = ("parallel.replicas", "parallel.shard_size", "parallel.grad_accum",
               "parallel.micro_batch_size", "parallel.seq_len", "run.steps", "run.output_dir",
               "run.overwrite", "run.np")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=_pos_int, default=40, help="N optimizer steps (default 40)")
-    p.add_argument("--accum", type=_pos_int, default=2,
+    p = H.parser("stack", __doc__.split("\n\n")[0], out="stack.json")
+    p.add_argument("--steps", type=H.positive_int, default=40, help="N optimizer steps (default 40)")
+    p.add_argument("--accum", type=H.positive_int, default=2,
                    help="G microbatches per step = parallel.grad_accum (default 2)")
-    p.add_argument("--mbs", type=_pos_int, default=4,
+    p.add_argument("--mbs", type=H.positive_int, default=4,
                    help="sequences per microbatch = parallel.micro_batch_size (default 4)")
-    p.add_argument("--seq", type=_pos_int, default=128,
+    p.add_argument("--seq", type=H.positive_int, default=128,
                    help="tokens per sequence = parallel.seq_len (default 128)")
-    p.add_argument("--skip", type=_nonneg_int, default=5,
+    p.add_argument("--skip", type=H.nonneg_int, default=5,
                    help="warm-up steps left out of the medians (default 5)")
-    p.add_argument("--repeats", type=_pos_int, default=4,
+    p.add_argument("--repeats", type=H.positive_int, default=4,
                    help="plain/stack pairs, alternating which runs first (default 4)")
-    p.add_argument("--threads", type=_pos_int, default=1,
+    p.add_argument("--threads", type=H.positive_int, default=1,
                    help="torch threads of the plain loop; the stack uses run.omp_num_threads "
                         "(default 1 for both)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -115,7 +97,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "e.g. --set optim.lr=3e-3 --set model=llama_debug")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one stack run may take (default 300)")
-    p.add_argument("--out", default="bench/results/stack.json", help="JSON output path")
     p.add_argument("--work-dir", default=None,
                    help="where the stack runs go (default: a temporary directory)")
     p.add_argument("--keep", action="store_true",
@@ -156,13 +137,6 @@ def stack_command(args: argparse.Namespace, run_dir: str | os.PathLike) -> list[
 # ---------------------------------------------------------------------------------------------
 # Small statistics
 # ---------------------------------------------------------------------------------------------
-def median_after(values: Sequence[float], skip: int) -> float:
-    v = list(values)[skip:]
-    if not v:
-        raise ValueError(f"no values after skipping {skip}")
-    return float(statistics.median(v))
-
-
 def intervals(times: Sequence[float]) -> list[float]:
     """Commit-to-commit intervals; element i is the interval ENDING at step i+1."""
     return [b - a for a, b in zip(times, times[1:])]
@@ -170,10 +144,6 @@ def intervals(times: Sequence[float]) -> list[float]:
 
 def tokens_per_s(tokens_per_step: int, step_s: float | None) -> float | None:
     return None if not step_s else tokens_per_step / step_s
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,26 +219,15 @@ def plain_command(args: argparse.Namespace, out: str | os.PathLike) -> list[str]
             "--mbs", str(args.mbs), "--seq", str(args.seq), "--threads", str(args.threads)]
     for o in args.overrides:
         argv += ["--set", o]
-    return [sys.executable, "-m", "recover_hsdp.tools.bench_stack", *argv,
+    return [sys.executable, "-m", "recover_hsdp.bench.stack", *argv,
             "--plain-worker", str(out)]
-
-
-def _child_env(threads: int | None = None) -> dict:
-    env = dict(os.environ)
-    pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
-    for k in ("OMPI_COMM_WORLD_RANK", "RECOVER_HSDP_WORKER_FN"):
-        env.pop(k, None)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
 
 
 def run_plain_process(args: argparse.Namespace, out: Path) -> dict:
     """Run the plain arm in a fresh process; its numbers plus start-up (launch -> loop)."""
     cmd = plain_command(args, out)
     t_launch = time.time()
-    p = subprocess.run(cmd, cwd=REPO, env=_child_env(args.threads), capture_output=True,
+    p = subprocess.run(cmd, cwd=REPO, env=H.child_env(args.threads), capture_output=True,
                        text=True, timeout=args.timeout)
     t_end = time.time()
     if p.returncode != 0 or not out.exists():
@@ -288,7 +247,7 @@ def run_stack(args: argparse.Namespace, run_dir: Path) -> dict:
     from recover_hsdp.record import RecordError, read_run
 
     cmd = stack_command(args, run_dir)
-    env = _child_env()
+    env = H.child_env()
     t_launch = time.time()
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
@@ -498,12 +457,12 @@ def profile_table(raw: dict, steps: int, skip: int) -> dict:
 
 
 def run_attribution(args: argparse.Namespace, work: Path) -> dict:
-    res: dict[str, Any] = {"load_before": _load()}
+    res: dict[str, Any] = {"load_before": H.load()}
     out = work / "fsdp_ab.json"
     cmd = plain_command(args, out)
     cmd[cmd.index("--plain-worker")] = "--fsdp-ab-worker"
     _log("attribution: plain vs FSDP-wrapped step, one process, ABBA")
-    p = subprocess.run(cmd, cwd=REPO, env=_child_env(args.threads), capture_output=True,
+    p = subprocess.run(cmd, cwd=REPO, env=H.child_env(args.threads), capture_output=True,
                        text=True, timeout=args.timeout)
     if p.returncode == 0 and out.exists():
         ab = json.loads(out.read_text())
@@ -521,12 +480,12 @@ def run_attribution(args: argparse.Namespace, work: Path) -> dict:
             "raw": ab}
     else:
         res["fsdp_ab_error"] = (p.stdout + p.stderr)[-3000:]
-    res["load_mid"] = _load()
+    res["load_mid"] = H.load()
     prof = work / "profile.json"
     run_dir = work / "profiled"
     _log("attribution: one profiled stack run")
-    env = _child_env()
-    env["RECOVER_HSDP_WORKER_FN"] = "recover_hsdp.tools.bench_stack:profiled_worker"
+    env = H.child_env()
+    env["RECOVER_HSDP_WORKER_FN"] = "recover_hsdp.bench.stack:profiled_worker"
     env[PROFILE_ENV] = str(prof)
     p = subprocess.run(stack_command(args, run_dir), cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=args.timeout)
@@ -537,7 +496,7 @@ def run_attribution(args: argparse.Namespace, work: Path) -> dict:
                                       args.skip).items()}
     else:
         res["profile_error"] = (p.stdout + p.stderr)[-3000:]
-    res["load_after"] = _load()
+    res["load_after"] = H.load()
     return res
 
 
@@ -698,9 +657,16 @@ def _plain(obj: Any) -> Any:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
 
 
+def _torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return None
+    return torch.__version__
+
+
 def _log(msg: str) -> None:
-    print(f"[{PROG} {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}] {msg}",
-          file=sys.stderr, flush=True)
+    H.say("stack", msg)
 
 
 def check_repeat(rep: dict, args: argparse.Namespace) -> list[str]:
@@ -756,23 +722,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    + shlex.join(list(sys.argv[1:] if argv is None else argv)),
         "stack_command": shlex.join(["python", "-m", "recover_hsdp.cli", "train",
                                      *train_overrides(args, "<dir>")]),
-        "args": vars(args), "host": platform.node(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "load_start": _load(),
+        "args": vars(args), **H.machine(torch=_torch_version()),
         "model": _plain(checked.model), "optim": _plain(checked.optim),
     }
-    try:
-        import torch
-
-        result["torch"] = torch.__version__
-    except ImportError:  # pragma: no cover
-        pass
     repeats, problems = [], []
     try:
-        for i in range(args.repeats):
-            order = ("plain", "stack") if i % 2 == 0 else ("stack", "plain")
-            rep: dict[str, Any] = {"index": i, "order": list(order), "load": {}}
+        for i, order in enumerate(H.interleaved(("plain", "stack"), args.repeats)):
+            rep: dict[str, Any] = {"index": i, "order": order, "load": {}}
             for arm in order:
-                rep["load"][arm + "_before"] = _load()
+                rep["load"][arm + "_before"] = H.load()
                 if arm == "plain":
                     _log(f"repeat {i + 1}/{args.repeats}: plain loop, {args.steps} steps")
                     rep["plain"] = run_plain_process(args, work / f"plain{i}.json")
@@ -781,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _log(f"repeat {i + 1}/{args.repeats}: stack, "
                          + shlex.join(stack_command(args, run_dir)[1:]))
                     rep["stack"] = run_stack(args, run_dir)
-            rep["load"]["after"] = _load()
+            rep["load"]["after"] = H.load()
             problems += check_repeat(rep, args)
             repeats.append(rep)
             if rep["stack"].get("error") or rep["stack"].get("committed") != args.steps:
@@ -792,18 +750,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not given_work and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    result["load_end"] = _load()
+    result["load_end"] = H.load()
     result["problems"] = problems
     result["repeats"] = repeats
     result["work_dir"] = str(work) if (given_work or args.keep) else None
     result["wall_s"] = time.perf_counter() - t_start
     tps = repeats[0]["plain"]["tokens_per_step"]
     result["summary"] = summarize(repeats, args.skip, tps)
-    out = Path(args.out)
-    if not out.is_absolute():
-        out = Path.cwd() / out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+    out = H.write_json(Path(args.out).absolute(), result)
     print(format_table(result))
     print(f"\nstack command: {result['stack_command']}")
     print(f"{result['wall_s']:.0f} s in all; JSON: {out}")

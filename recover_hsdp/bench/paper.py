@@ -38,6 +38,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from recover_hsdp.bench import harness as H
+
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ("control", "trajectory", "throughput")
 KILL_BUCKET = 1
@@ -47,12 +49,11 @@ THRU = {"replicas": 4, "grad_accum": 8}
 
 
 def _log(msg: str) -> None:
-    print(f"[bench paper {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    H.say("paper", msg, stream=sys.stdout, with_load=False)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="recover-hsdp bench paper",
-                                description=__doc__.split("\n\n")[0])
+    p = H.parser("paper", __doc__.split("\n\n")[0])
     p.add_argument("--exp", default="all",
                    help="comma-separated subset of " + ",".join(EXPERIMENTS) + " (default all)")
     p.add_argument("--out", default=str(REPO / "docs" / "results"),
@@ -97,12 +98,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------ running
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
+    return H.child_env(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def _complete(run_dir: Path, steps: int) -> bool:
@@ -531,8 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         results[exp] = ANALYZERS[exp](args, dirs, out)
         results[exp]["bench_wall_s"] = round(time.perf_counter() - t, 1)
-        (out / f"paper_{exp}.json").write_text(json.dumps(results[exp], indent=2, sort_keys=True)
-                                               + "\n")
+        H.write_json(out / f"paper_{exp}.json", results[exp], indent=2, sort_keys=True)
         print(FORMATTERS[exp](results[exp]), flush=True)
     return 0
 

@@ -20,7 +20,7 @@ reduced and divided gradient shards up to float rounding (max relative differenc
 the end the parameter difference is reported too (AdamW amplifies rounding where g ~ 0). Each rank writes ``OUT_DIR/rank{g}.json`` and leaves with ``os._exit``
 (a clean MPI_Finalize under ULFM may hang).
 
-    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.tools._bench_hsdp_worker CFG.yaml OUT_DIR
+    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR
 """
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def run(cfg_path: str, out_dir: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        print("usage: python -m recover_hsdp.tools._bench_hsdp_worker CFG.yaml OUT_DIR",
+        print("usage: python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR",
               file=sys.stderr)
         sys.exit(2)
     rc = 1
