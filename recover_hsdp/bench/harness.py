@@ -3,8 +3,8 @@ repeats, medians, the table and the JSON.
 
 A benchmark module is then what it measures: its own arguments (added to :func:`parser`), the
 arms it runs (:func:`interleaved` orders them so that load drifts hit every arm alike), its
-summary (:func:`median`, :func:`spread`, :func:`median_after`), its rows (:func:`table`,
-:func:`fmt`), and one :func:`write_json` of the result, which carries :func:`machine` (host,
+summary (:func:`median`, :func:`spread`, :func:`median_after`), its rows (:func:`fmt`,
+:func:`fmt_spec`), and one :func:`write_json` of the result, which carries :func:`machine` (host,
 cores, versions, load at start and end) so that a number is never read without its conditions.
 """
 from __future__ import annotations
@@ -175,23 +175,16 @@ def interleaved(arms: Sequence[str], repeats: int) -> list[list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The table
+# Numbers in tables
 # ---------------------------------------------------------------------------------------------
 def fmt(x: float | None, nd: int = 3, unit: str = "", none: str = "-") -> str:
     """``x`` with ``nd`` decimals and a unit; ``none`` for a missing value."""
     return none if x is None else f"{x:.{nd}f}{unit}"
 
 
-def table(head: Sequence[str], rows: Sequence[Sequence[Any]], *, sep: str = "  ",
-          right: bool = False) -> str:
-    """Columns padded to their widest cell (left-aligned, or right-aligned but the first)."""
-    cells = [[str(c) for c in head]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(head))]
-
-    def line(r: list[str]) -> str:
-        return sep.join((c.ljust(w) if (not right or i == 0) else c.rjust(w))
-                        for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-    return "\n".join(line(r) for r in cells)
+def fmt_spec(x: float | None, spec: str, none: str = "-") -> str:
+    """``format(x, spec)`` (``",.0f"``, ``".2e"``, ...); ``none`` for a missing value."""
+    return none if x is None else format(x, spec)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,6 @@ LONG_FILES: dict[str, str] = {
     "recovery/orchestrator.py": "the step transaction in one piece (576 lines): split pending",
     "record/timeline.py": "one timeline per run kind (578 lines): split pending",
     "verify/*": "headroom: being grown in parallel (verifier branch)",
-    "tools/bench_*.py": "experiments not yet moved onto recover_hsdp.bench (issue 18)",
 }
 
 
