@@ -187,10 +187,10 @@ def run_plain_worker(cfg: Any) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.faults import FailureInjector, FailureSchedule, FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
     from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
     from recover_hsdp.optim import build_optimizer, lr_at
     from recover_hsdp.record import (ParamWriter, RunRecorder, RunSummary, StepRecord,

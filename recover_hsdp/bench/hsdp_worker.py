@@ -37,10 +37,10 @@ def run(cfg_path: str, out_dir: str) -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
+    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
     from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
     from recover_hsdp.optim import build_optimizer, lr_at
 

@@ -82,8 +82,8 @@ class ProbedLoss(nn.Module):
 
 
 def _build(spec: dict):
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.config import data_config, model_config, optim_config
+    from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.model import build_model
     from recover_hsdp.optim import build_optimizer
     from recover_hsdp.peers.probe import probe_weight
