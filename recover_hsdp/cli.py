@@ -7,7 +7,7 @@ import sys
 # subcommand -> (module, one-line help). Each module exposes main(argv) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("recover_hsdp.tools.plan", "capacity planner: layouts across a failure sequence"),
-    "bench": ("recover_hsdp.tools.bench", "benchmarks (collectives, snapshot, planner, ...)"),
+    "bench": ("recover_hsdp.bench", "benchmarks (collectives, snapshot, planner, ...)"),
     "demo": ("recover_hsdp.tools.demo", "the README's main job"),
     "train": ("recover_hsdp.train", "Hydra pre-training entry point"),
     "verify": ("recover_hsdp.tools.verify", "replay a run directory and compare parameters"),

@@ -4,7 +4,7 @@
 torchft DistributedDataParallel + torchft Optimizer wrapper + ProcessGroupGloo), or one rank of a
 plain gloo DDP job (no torchft), training exactly what `recover-hsdp train` trains (llama_debug,
 the embedded corpus, the static policy's DataAssignment ids, our AdamW + schedule). The supervisor
-and the measurements are in `recover_hsdp.tools.bench_peers`.
+and the measurements are in `recover_hsdp.bench.peers`.
 
 `probe` holds the pure parts (no torch): decoding the probe gradients into the divisor torchft
 actually applied and the replicas that contributed.

@@ -2,7 +2,7 @@
 
     python -m recover_hsdp.peers.torchft_worker SPEC.json
 
-SPEC (written by `recover_hsdp.tools.bench_peers`): mode ("torchft_dynamic" | "torchft_fixed" |
+SPEC (written by `recover_hsdp.bench.peers`): mode ("torchft_dynamic" | "torchft_fixed" |
 "plain_ddp"), replica, replicas (N), attempt, run_dir, steps, grad_accum (G), seed, model / data /
 optim (the same mappings `recover-hsdp train` resolves), lighthouse ("http://127.0.0.1:PORT"),
 min_replica_size, pg_timeout_s, bucket_cap_mb, kill ({step, bucket} or null), notify_fd,
@@ -82,18 +82,18 @@ class ProbedLoss(nn.Module):
 
 
 def _build(spec: dict):
+    from recover_hsdp.config import data_config, model_config, optim_config
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
-    from recover_hsdp.hsdp.trainer import _data_config, _model_config, _optim_config
     from recover_hsdp.model import build_model
     from recover_hsdp.optim import build_optimizer
     from recover_hsdp.peers.probe import probe_weight
 
     par = {"seq_len": spec["seq_len"], "micro_batch_size": spec["micro_batch_size"],
            "shard_size": 1}
-    data_cfg = _data_config(spec["data"], par)
+    data_cfg = data_config(spec["data"], par)
     tok = load_tokenizer(data_cfg.tokenizer)
-    model = build_model(_model_config(spec["model"], tok.vocab_size), seed=int(spec["seed"]))
-    optim_cfg = _optim_config(spec["optim"], int(spec["steps"]))
+    model = build_model(model_config(spec["model"], tok.vocab_size), seed=int(spec["seed"]))
+    optim_cfg = optim_config(spec["optim"], int(spec["steps"]))
     opt = build_optimizer(model.named_parameters(), optim_cfg)   # the probes are not stepped
     net = ProbedLoss(model, probe_weight(spec["replica"]),
                      int(spec["micro_batch_size"]) * int(spec["seq_len"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from recover_hsdp.tools import bench
+from recover_hsdp import bench
 
 
 def test_all_skips_the_experiments(monkeypatch, capsys):
@@ -20,8 +20,8 @@ def test_all_skips_the_experiments(monkeypatch, capsys):
 
     real = importlib.import_module
     monkeypatch.setattr(bench.importlib, "import_module",
-                        lambda mod: _Fake(mod.rsplit("bench_", 1)[1])
-                        if mod.startswith("recover_hsdp.tools.bench_") else real(mod))
+                        lambda mod: _Fake(mod.rsplit(".", 1)[1])
+                        if mod.startswith("recover_hsdp.bench.") else real(mod))
     assert bench.main(["all"]) == 0
     assert set(bench.EXPERIMENTS) <= set(bench.available())
     assert ran == [n for n in bench.available() if n not in bench.EXPERIMENTS]
@@ -33,4 +33,4 @@ def test_an_experiment_still_runs_by_name(monkeypatch):
     monkeypatch.setattr(bench.importlib, "import_module",
                         lambda mod: type("M", (), {"main": staticmethod(lambda a: ran.append((mod, a)) or 0)}))
     assert bench.main(["paper", "--analyze-only"]) == 0
-    assert ran == [("recover_hsdp.tools.bench_paper", ["--analyze-only"])]
+    assert ran == [("recover_hsdp.bench.paper", ["--analyze-only"])]

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from recover_hsdp.tools import bench, bench_hsdp as bh
+from recover_hsdp import bench
+from recover_hsdp.bench import hsdp as bh
 
 
 def test_registered_with_bench():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recover_hsdp.tools import bench_paper as bp
+from recover_hsdp.bench import paper as bp
 from tests.unit._runs import reference_run, resilient_run
 
 

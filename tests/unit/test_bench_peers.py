@@ -6,7 +6,7 @@ import json
 import pytest
 
 from recover_hsdp.peers.probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
-from recover_hsdp.tools import bench_peers as bp
+from recover_hsdp.bench import peers as bp
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4, 5])
@@ -116,6 +116,6 @@ def test_missing_torchft_is_one_line_and_exit_3(monkeypatch, capsys):
 
 
 def test_registered_as_a_bench():
-    from recover_hsdp.tools import bench
+    from recover_hsdp import bench
 
     assert "peers" in bench.available()

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from recover_hsdp.tools import bench, bench_stack as bs
+from recover_hsdp import bench
+from recover_hsdp.bench import stack as bs
 
 
 def test_registered_with_bench():
@@ -47,7 +48,7 @@ def test_plain_worker_command_carries_the_same_settings():
     a = bs.parse_args(["--steps", "3", "--skip", "0", "--accum", "1", "--mbs", "3", "--seq",
                        "16", "--threads", "2", "--set", "optim.lr=2e-3"])
     cmd = bs.plain_command(a, "/tmp/p.json")
-    assert cmd[1:3] == ["-m", "recover_hsdp.tools.bench_stack"]
+    assert cmd[1:3] == ["-m", "recover_hsdp.bench.stack"]
     b = bs.parse_args(cmd[3:])
     assert b.plain_worker == "/tmp/p.json"
     for k in ("steps", "skip", "accum", "mbs", "seq", "threads", "overrides"):

@@ -154,7 +154,7 @@ def test_count_model_rejects_bad_victims():
 
 
 def test_bench_planner_small(tmp_path, capsys):
-    from recover_hsdp.tools import bench_planner
+    from recover_hsdp.bench import planner as bench_planner
 
     out = tmp_path / "planner.json"
     rc = bench_planner.main(["--replicas", "2000", "--failures", "500", "--repeat", "1",

@@ -11,7 +11,7 @@ import recover_hsdp
 
 ROOT = pathlib.Path(recover_hsdp.__file__).parent
 POLICY_FILES = sorted((ROOT / "policy").glob("*.py"))
-PLANNER_FILES = [ROOT / "tools" / "plan.py", ROOT / "tools" / "bench_planner.py"]
+PLANNER_FILES = [ROOT / "tools" / "plan.py", ROOT / "bench" / "planner.py"]
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -34,12 +34,14 @@ def test_policy_files_exist():
 
 def test_policy_and_planner_import_no_torch():
     stdlib = set(sys.stdlib_module_names)
-    for path in POLICY_FILES + [p for p in PLANNER_FILES if p.exists()]:
+    assert all(p.exists() for p in PLANNER_FILES), PLANNER_FILES
+    for path in POLICY_FILES + PLANNER_FILES:
         for mod in imported_modules(path):
             top = mod.split(".")[0]
             assert top != "torch", f"{path.name} imports {mod}"
             assert top in stdlib or mod == "__future__" or mod.startswith(
                 ("recover_hsdp.policy", "recover_hsdp.types")) or (
-                path.parent.name == "tools" and mod.startswith("recover_hsdp.tools.plan")), (
+                path in PLANNER_FILES and mod.startswith(
+                    ("recover_hsdp.tools.plan", "recover_hsdp.bench.harness"))), (
                 f"{path.name} imports {mod}: the policy layer may import only the standard "
                 f"library, recover_hsdp.types and recover_hsdp.policy")

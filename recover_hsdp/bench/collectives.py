@@ -26,13 +26,14 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from recover_hsdp.bench import harness as H
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 BACKENDS = ("mpi", "gloo", "ulfm")
@@ -164,19 +165,13 @@ def _worker_kill(args) -> None:
 
 
 # ----------------------------------------------------------------------------------- parent ---
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict[int, dict]:
     from recover_hsdp.collectives.launch import mpi_env, mpirun_command
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
     repo = str(Path(__file__).resolve().parents[2])
     extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]
-    cmd = mpirun_command(nprocs, extra_args=extra) + [sys.executable, "-m", "recover_hsdp.tools.bench_collectives",
+    cmd = mpirun_command(nprocs, extra_args=extra) + [sys.executable, "-m", "recover_hsdp.bench.collectives",
                                     *worker_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=mpi_env({OUT_ENV: str(out)}, pythonpath=repo),
@@ -203,7 +198,7 @@ def _fmt_size(n: int) -> str:
 
 
 def _bench_allreduce(args) -> dict:
-    worker_args = ["--worker", "allreduce", "--port", str(_free_port()), "--reps",
+    worker_args = ["--worker", "allreduce", "--port", str(H.free_port()), "--reps",
                    str(args.reps), "--warmup", str(args.warmup), "--max-bytes",
                    str(args.max_bytes), "--min-bytes", str(args.min_bytes)]
     res = _launch(args.ranks, worker_args, args.timeout, args.mca)
@@ -285,9 +280,8 @@ def _print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="recover-hsdp bench collectives",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser("collectives", __doc__.split("\n\n")[0], out="collectives.json",
+                 timeout=900)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--reps", type=int, default=20,
                    help="timed repetitions per size, at least (rounded up to fill the orders)")
@@ -299,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--kills-per-job", type=int, default=2)
     p.add_argument("--skip", choices=["allreduce", "kills"], action="append", default=[])
-    p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun job")
-    p.add_argument("--out", default="bench/results/collectives.json")
     # worker mode (the parent launches these under mpirun)
     p.add_argument("--worker", choices=["allreduce", "kill"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -319,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict = {
         "command": "recover-hsdp bench collectives " + " ".join(argv or sys.argv[1:]),
-        "mca": args.mca, "host": platform.node(), "cpus": os.cpu_count(), "load_before": os.getloadavg(),
+        "mca": args.mca, "host": platform.node(), "cpus": os.cpu_count(), "load_before": H.load(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     try:
@@ -333,11 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             line = f"recover-hsdp bench collectives: {line}"
         print(line, file=sys.stderr)
         return EXIT_UNAVAILABLE
-    report["load_after"] = os.getloadavg()
+    report["load_after"] = H.load()
     _print_report(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = H.write_json(args.out, report)
     print(f"\nwrote {out}")
     return 0
 

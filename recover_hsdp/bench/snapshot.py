@@ -29,10 +29,7 @@ JSON next to them. The load average at start and end is recorded.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import pathlib
 import platform
 import statistics
 import time
@@ -41,22 +38,13 @@ from typing import Callable
 
 import torch
 
-
-def _times(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return ts
+from recover_hsdp.bench import harness as H
 
 
 def _best_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
     """Minimum over `repeat` runs: on a shared machine noise only ever adds time, so the minimum
     is the closest to the operation's own cost (medians are reported next to it where useful)."""
-    return min(_times(fn, repeat, warmup))
+    return min(H.times(fn, repeat, warmup))
 
 
 def _stat(ts: list[float]) -> dict:
@@ -205,7 +193,7 @@ def bench_debug(args, machine_gbps: float) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(b.numel() * 4 for b in buckets)
     copies = [(b, orch.store[i].snap) for i, b in enumerate(buckets)]
-    rewind_ts = _times(lambda: orch.rewinder.run_sync(copies), args.repeat * 5)
+    rewind_ts = H.times(lambda: orch.rewinder.run_sync(copies), args.repeat * 5)
     rewind = min(rewind_ts)
     step_s, snap_s, orch_s = min(plain), min(snap_t), min(orch_t)
     x, y = batches[0]
@@ -225,8 +213,8 @@ def bench_debug(args, machine_gbps: float) -> dict:
     t_copy, t_thread = [], []
     ext_copy(), ext_thread()
     for _ in range(args.repeat * 3):
-        t_copy += _times(ext_copy, 1, warmup=0)
-        t_thread += _times(ext_thread, 1, warmup=0)
+        t_copy += H.times(ext_copy, 1, warmup=0)
+        t_thread += H.times(ext_thread, 1, warmup=0)
     orch.close()
     return {
         "model": "llama_debug (vocab 4096)", "params": n_params, "buckets": len(buckets),
@@ -286,8 +274,8 @@ def bench_shard(args, machine_gbps: float, gflops: float) -> dict:
         store.snapshot(b, 0)
 
     r = Rewinder("copy")
-    snap_ts = _times(snap, args.repeat)
-    rewind_ts = _times(lambda: r.run_sync([(grad, b.snap)]), args.repeat)
+    snap_ts = H.times(snap, args.repeat)
+    rewind_ts = H.times(lambda: r.run_sync([(grad, b.snap)]), args.repeat)
     snap_s, rewind_s = min(snap_ts), min(rewind_ts)
     tokens = args.mbs * args.seq * args.grad_accum_1b
     step_est = 6.0 * n_full * tokens / (gflops * 1e9)
@@ -337,8 +325,8 @@ def _overlap(dst: torch.Tensor, src: torch.Tensor, copy_s: float, repeat: int) -
 
     t_seq, t_par = [], []
     for _ in range(repeat):  # interleaved, so load changes hit both alike
-        t_seq += _times(seq, 1, warmup=0)
-        t_par += _times(par, 1, warmup=0)
+        t_seq += H.times(seq, 1, warmup=0)
+        t_par += H.times(par, 1, warmup=0)
     out = {"overlap_compute_s": compute_s,
            "nonblocking_copy_then_compute_s": min(t_seq),
            "nonblocking_copy_then_compute_stats": _stat(t_seq),
@@ -353,8 +341,7 @@ def _fmt(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="recover-hsdp bench snapshot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser("snapshot", __doc__, out="snapshot.json")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="debug-model steps measured")
     p.add_argument("--grad-accum", type=int, default=2, help="debug model G (conf default 2)")
@@ -368,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum-1b", type=int, default=8, help="1B step estimate: G")
     p.add_argument("--no-1b", action="store_true", help="skip the 1B shard (1.2 GB x 2)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--out", default="bench/results/snapshot.json")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -428,9 +414,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(s['nonblocking_thread_overlapped_s'])}")
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
+        out = H.write_json(args.out, res)
         print(f"\n# wrote {out}")
     return 0
 

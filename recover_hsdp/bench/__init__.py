@@ -1,8 +1,10 @@
-"""`recover-hsdp bench <name> [args]`: benchmarks that print a table and write JSON.
+"""`recover-hsdp bench NAME [args]`: benchmarks that print a table and write JSON.
 
-Each benchmark lives in its own module `recover_hsdp.tools.bench_<name>` exposing main(argv).
-They print numbers (medians, ratios against a baseline measured in the same run); they are not
-timed tests.
+Each benchmark is a module of this package named by one word, exposing ``main(argv) -> int``
+and saying in its docstring what it measures; ``<name>_<part>`` modules are parts of benchmark
+``<name>`` (its worker, its runs, its analysis); what every benchmark needs (arguments, launching
+jobs, interleaved repeats, medians, the table, the JSON) is :mod:`recover_hsdp.bench.harness`. They print numbers
+(medians, ratios against a baseline measured in the same run); they are not timed tests.
 """
 from __future__ import annotations
 
@@ -10,16 +12,19 @@ import importlib
 import pkgutil
 import sys
 
-import recover_hsdp.tools as _tools
-
-
 # Whole experiments (tens of minutes, optional extras): run by name, not by `bench all`.
 EXPERIMENTS = ("paper", "peers")
+HARNESS = "harness"
 
 
 def available() -> list[str]:
-    return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(_tools.__path__)
-                  if m.name.startswith("bench_"))
+    """The benchmark names: this package's one-word modules but the harness."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                  if m.name != HARNESS and "_" not in m.name)
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def main(argv: list[str]) -> int:
@@ -35,10 +40,10 @@ def main(argv: list[str]) -> int:
               + ", ".join(f"recover-hsdp bench {n}" for n in EXPERIMENTS), flush=True)
         for n in (n for n in names if n not in EXPERIMENTS):
             print(f"== bench {n} ==", flush=True)
-            rc |= int(importlib.import_module(f"recover_hsdp.tools.bench_{n}").main([]) or 0)
+            rc |= int(_module(n).main([]) or 0)
         return rc
     if name not in names:
         print(f"recover-hsdp bench: unknown benchmark {name!r} (have: {', '.join(names)})",
               file=sys.stderr)
         return 2
-    return int(importlib.import_module(f"recover_hsdp.tools.bench_{name}").main(rest) or 0)
+    return int(_module(name).main(rest) or 0)

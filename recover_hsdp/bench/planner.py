@@ -11,11 +11,8 @@ and writes them as JSON (--out, default bench/results/planner.json). Pure Python
 """
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -23,6 +20,7 @@ import time
 
 from recover_hsdp.policy.counts import random_plan
 import recover_hsdp.tools.plan as plan_tool
+import recover_hsdp.bench.harness as H
 
 
 class _Null(io.TextIOBase):
@@ -37,14 +35,13 @@ def _timed(fn) -> tuple[float, float, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="recover-hsdp bench planner", description=__doc__)
+    p = H.parser("planner", __doc__, out="planner.json")
     p.add_argument("--replicas", type=int, default=100_000)
     p.add_argument("--grad-accum", type=int, default=8)
     p.add_argument("--failures", type=int, default=50_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-cli", action="store_true", help="skip the fresh-process measurement")
-    p.add_argument("--out", default="bench/results/planner.json")
     args = p.parse_args(argv)
     w, g, k, seed = args.replicas, args.grad_accum, args.failures, args.seed
     argv_plan = ["--replicas", str(w), "--grad-accum", str(g), "--failures", str(k),
@@ -91,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         result["loadavg_1min"] = os.getloadavg()[0]
     except OSError:
         pass
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = H.write_json(args.out, result, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -1,0 +1,236 @@
+"""What every benchmark needs, written once: arguments, child processes and jobs, interleaved
+repeats, medians, the table and the JSON.
+
+A benchmark module is then what it measures: its own arguments (added to :func:`parser`), the
+arms it runs (:func:`interleaved` orders them so that load drifts hit every arm alike), its
+summary (:func:`median`, :func:`spread`, :func:`median_after`), its rows (:func:`fmt`,
+:func:`fmt_spec`), and one :func:`write_json` of the result, which carries :func:`machine` (host,
+cores, versions, load at start and end) so that a number is never read without its conditions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS_DIR = Path("bench") / "results"    # relative to the working directory, as documented
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+def parser(name: str, doc: str | None, *, out: str | None = None,
+           timeout: float | None = None) -> argparse.ArgumentParser:
+    """``recover-hsdp bench NAME`` with the module docstring as help; ``--out`` (default
+    bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them."""
+    p = argparse.ArgumentParser(prog=f"recover-hsdp bench {name}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if out is not None:
+        p.add_argument("--out", default=str(RESULTS_DIR / out), help="JSON output path")
+    if timeout is not None:
+        p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
+    return p
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= lo, refused with the value named."""
+    def conv(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {v!r}") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo} (got {n})")
+        return n
+    conv.__name__ = f"int>={lo}"
+    return conv
+
+
+positive_int = int_at_least(1)
+nonneg_int = int_at_least(0)
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: a comma list of integers >= 1 (``2,4,8``)."""
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+    if not xs or any(x < 1 for x in xs):
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return xs
+
+
+def choice_list(choices: Sequence[str], *, all_word: str | None = "all",
+                what: str = "choice") -> Callable[[str], list[str]]:
+    """An argparse type: a comma list from ``choices`` (or ``all``), returned in their order."""
+    def conv(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        if all_word and names == [all_word]:
+            return list(choices)
+        bad = [p for p in names if p not in choices]
+        if bad or not names:
+            alt = f"{all_word} or " if all_word else ""
+            raise argparse.ArgumentTypeError(
+                f"unknown {what}(s) {', '.join(bad) or '(none)'}; choose from {alt}"
+                f"{','.join(choices)}")
+        return [p for p in choices if p in names]
+    return conv
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress lines, machine, JSON
+# ---------------------------------------------------------------------------------------------
+def load() -> list[float]:
+    """The 1/5/15-minute load averages, rounded: every result records them."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def say(name: str, msg: str, *, stream=sys.stderr, with_load: bool = True) -> None:
+    """One progress line: ``[bench NAME HH:MM:SS load a/b/c] msg``."""
+    tag = f" load {'/'.join(f'{x:.1f}' for x in os.getloadavg())}" if with_load else ""
+    print(f"[bench {name} {time.strftime('%H:%M:%S')}{tag}] {msg}", file=stream, flush=True)
+
+
+def machine(**extra: Any) -> dict:
+    """Where a number was measured: host, cores, Python, torch (if imported), load now."""
+    out = {"host": platform.node(), "cpus": os.cpu_count(),
+           "python": platform.python_version(), "load_start": load()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = torch.__version__
+    out.update(extra)
+    return out
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1, **kw: Any) -> Path:
+    """Write ``obj`` (dataclasses and paths as text) atomically; return the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=indent, default=str, **kw) + "\n")
+    tmp.replace(p)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+def median(xs: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    v = [x for x in xs if x is not None]
+    return statistics.median(v) if v else None
+
+
+def median_after(values: Sequence[float], skip: int) -> float:
+    """The median after dropping the first ``skip`` values (warm-up)."""
+    v = list(values)[skip:]
+    if not v:
+        raise ValueError(f"no values after skipping {skip}")
+    return float(statistics.median(v))
+
+
+def quartiles(xs: Iterable[float | None]) -> tuple[float | None, float | None]:
+    v = sorted(x for x in xs if x is not None)
+    if not v:
+        return None, None
+    if len(v) == 1:
+        return v[0], v[0]
+    q = statistics.quantiles(v, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def spread(xs: Iterable[float | None]) -> dict:
+    """n, median, min, max and the quartiles of the values that are not None."""
+    v = [x for x in xs if x is not None]
+    q1, q3 = quartiles(v)
+    return {"n": len(v), "median": median(v), "min": min(v) if v else None,
+            "max": max(v) if v else None, "p25": q1, "p75": q3}
+
+
+def times(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of ``repeat`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def interleaved(arms: Sequence[str], repeats: int) -> list[list[str]]:
+    """The order of the arms in each repeat: forward, then reversed, alternately (A B, B A, ...),
+    so that a load change during the run lands on every arm alike."""
+    return [list(arms) if r % 2 == 0 else list(reversed(arms)) for r in range(repeats)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers in tables
+# ---------------------------------------------------------------------------------------------
+def fmt(x: float | None, nd: int = 3, unit: str = "", none: str = "-") -> str:
+    """``x`` with ``nd`` decimals and a unit; ``none`` for a missing value."""
+    return none if x is None else f"{x:.{nd}f}{unit}"
+
+
+def fmt_spec(x: float | None, spec: str, none: str = "-") -> str:
+    """``format(x, spec)`` (``",.0f"``, ``".2e"``, ...); ``none`` for a missing value."""
+    return none if x is None else format(x, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes
+# ---------------------------------------------------------------------------------------------
+def child_env(threads: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a child process: this checkout first on PYTHONPATH, no MPI rank or
+    worker-function variables inherited, OMP_NUM_THREADS when given, mpirun allowed as root."""
+    env = dict(os.environ)
+    pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
+    for k in ("OMPI_COMM_WORLD_RANK", "RECOVER_HSDP_WORKER_FN"):
+        env.pop(k, None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float) -> bool:
+    """True once something listens on 127.0.0.1:port, False after ``timeout`` seconds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def tail(path: str | os.PathLike, n: int = 20) -> str:
+    """The last ``n`` lines of a log (empty when it cannot be read)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+

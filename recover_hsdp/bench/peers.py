@@ -1,0 +1,271 @@
+"""`recover-hsdp bench peers`: the same job under torchft, side by side with ours.
+
+Project issue 8. Every run trains llama_debug on the embedded corpus with the same per-replica
+batch (G microbatches of mbs x seq_len tokens), the same microbatch ids (replica r: k * N + r),
+our AdamW + lr schedule, seed 0 and one torch thread per process, N replica groups of 1 process:
+
+  plain_ddp       torch DDP over gloo, no torchft: the step-time baseline (no kills)
+  torchft_nofail  torchft DYNAMIC, no kills
+  ours_nofail     `recover-hsdp train` (resilient, static policy), no kills: the loss reference
+  torchft_<mode>  torchft DYNAMIC / FIXED_WITH_SPARES with the kill schedule, the supervisor
+                  SIGKILLing the victim mid-all-reduce and relaunching it after --relaunch-delay
+  ours_kills      `recover-hsdp train` with the same schedule (SIGKILL at reduce bucket 1); ours
+                  does not relaunch: the survivors carry the batch
+
+torchft set-up (tuned for speed, ../shared/notes/peers.md): a local `torchft_lighthouse` on
+127.0.0.1 (--quorum_tick_ms, --join_timeout_ms), per replica its own TCPStore, ProcessGroupGloo
+with --pg-timeout, Manager + torchft DistributedDataParallel (DDP, not FSDP2) + the torchft
+Optimizer wrapper (recover_hsdp/peers/torchft_worker.py). DYNAMIC: lighthouse and Manager
+min_replicas 1, the divisor is the number of participating replicas. FIXED_WITH_SPARES:
+min_replica_size = --fixed-active (default N - 1): N - 1 replicas contribute, the rest are spares
+that all-reduce zeros, so the global batch is (N - 1) x G, constant while >= N - 1 replicas live.
+A probe parameter (recover_hsdp/peers/probe.py) reveals per step the divisor torchft applied and
+the replicas in the sum.
+
+Measured (per run, from its run directory; commit time of a step = its FIRST commit over ranks):
+  step time       median commit-to-commit interval of failure-free steps >= 3 (also wall_s);
+                  ratio against plain_ddp
+  kill->commit    each kill's marker time (written by the supervisor / our injector just before
+                  the SIGKILL) to the first commit after it; median and each
+  discarded       torchft: step attempts should_commit rejected (distinct (step, quorum)); ours: 0
+                  by construction (checked: no gaps, every divisor == B)
+  divisor         microbatches the gradient was divided by, per step (B = N x G for ours)
+  tokens/proc-h   committed tokens / process-hours between the start of the first step and the
+                  last commit (processes: replica processes running; ours: ranks not yet killed)
+  loss vs ref     per step loss - ours_nofail's loss: mean |diff|, max |diff|, final diff
+
+Every process started here (lighthouse, replicas, mpirun and its ranks) runs in its own session
+and is killed (its process group, plus any descendants) on exit, timeout, error or Ctrl-C.
+Output: a table on stdout and JSON (--out, default bench/results/peers.json); the run directories
+stay under --work-dir (default bench/results/peers_runs, replaced on each invocation) so
+`recover-hsdp report` can plot them; --plot-dir writes peers_loss.png / peers_steps.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import shlex
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from recover_hsdp.bench import harness as H
+from recover_hsdp.bench.harness import free_port, median  # noqa: F401
+from recover_hsdp.bench.peers_analysis import (RECOVERY_FACTOR_TARGET, WARM_STEPS,  # noqa: F401
+                                               analyze, commits_of, format_table, run_length,
+                                               verdicts, write_plot)
+from recover_hsdp.bench.peers_runs import (DATA, KILL_BUCKET, MODEL, Procs, _say,  # noqa: F401
+                                           collect_discards, run_ours, run_plain, run_torchft,
+                                           schedule_entries)
+
+INSTALL_HINT = ("recover-hsdp bench peers: torchft is not installed; install it with "
+                "`pip install -e '.[peers]'`")
+EXIT_NO_TORCHFT = 3
+MODES = ("dynamic", "fixed")
+
+
+# ------------------------------------------------------------------------------- arguments
+def torchft_available() -> bool:
+    return importlib.util.find_spec("torchft") is not None
+
+
+def parse_kills(text: str, replicas: int, steps: int) -> list[dict]:
+    """"12,24" -> kill replica N-1 at step 12, N-2 at step 24 (replica 0 always survives);
+    "12:1,24:2" names the replicas. Entries are sorted by step; each replica dies once."""
+    out: list[dict] = []
+    text = (text or "").strip()
+    if text in ("", "none"):
+        return out
+    next_victim = replicas - 1
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        step_s, _, rep_s = part.partition(":")
+        try:
+            step = int(step_s)
+            rep = int(rep_s) if rep_s else None
+        except ValueError:
+            raise ValueError(f"--kills: {part!r} is not STEP or STEP:REPLICA") from None
+        if rep is None:
+            used = {k["replica"] for k in out}
+            while next_victim in used:
+                next_victim -= 1
+            rep = next_victim
+            next_victim -= 1
+        if not 1 <= step < steps:
+            raise ValueError(f"--kills: step {step} out of range [1, {steps})")
+        if not 0 <= rep < replicas:
+            raise ValueError(f"--kills: replica {rep} out of range [0, {replicas})")
+        if any(k["replica"] == rep for k in out):
+            raise ValueError(f"--kills: replica {rep} is killed twice (ours cannot relaunch it)")
+        out.append({"step": step, "replica": rep})
+    if len(out) >= replicas:
+        raise ValueError(f"--kills: {len(out)} kills for {replicas} replicas; at least one "
+                         f"replica must survive")
+    return sorted(out, key=lambda k: (k["step"], k["replica"]))
+
+
+def _modes(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--modes: choose from {','.join(MODES)}")
+    return names
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = H.parser("peers", "torchft (DYNAMIC / FIXED_WITH_SPARES) vs the resilient trainer vs "
+                          "plain gloo DDP, same job.", out="peers.json")
+    p.add_argument("--replicas", type=int, default=3, help="replica groups N (1 process each)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kills", default="12,26",
+                   help="kill steps (STEP or STEP:REPLICA, comma list; default 12,26: replica "
+                        "N-1 at 12, N-2 at 26); 'none' for no kills")
+    p.add_argument("--modes", type=_modes, default=list(MODES),
+                   help="torchft modes run with kills: dynamic,fixed")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the failure-free runs (plain DDP, torchft, ours)")
+    p.add_argument("--no-ours", action="store_true", help="skip our resilient runs")
+    p.add_argument("--grad-accum", type=int, default=2, help="G microbatches per replica")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--fixed-active", type=int, default=None,
+                   help="FIXED_WITH_SPARES min_replica_size (default N-1)")
+    p.add_argument("--relaunch-delay", type=float, default=1.0, help="s after a kill")
+    p.add_argument("--pg-timeout", type=float, default=1.0, help="ProcessGroupGloo timeout, s")
+    p.add_argument("--quorum-tick-ms", type=int, default=100)
+    p.add_argument("--join-timeout-ms", type=int, default=200)
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    p.add_argument("--bucket-cap-mb", type=float, default=1.0,
+                   help="DDP bucket size (>= 2 buckets so the kill lands mid-all-reduce)")
+    p.add_argument("--run-timeout", type=float, default=150.0, help="s per run")
+    p.add_argument("--time-limit", type=float, default=900.0, help="s for the whole bench")
+    p.add_argument("--work-dir", default="bench/results/peers_runs",
+                   help="run directories (replaced on each invocation)")
+    p.add_argument("--plot-dir", default=None,
+                   help="write peers_loss.png and peers_steps.csv / peers_summary.json here")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.replicas < 2:
+        p.error("--replicas must be >= 2")
+    if args.steps < WARM_STEPS + 3:
+        p.error(f"--steps must be >= {WARM_STEPS + 3}")
+    if args.fixed_active is None:
+        args.fixed_active = args.replicas - 1
+    if not 1 <= args.fixed_active <= args.replicas:
+        p.error("--fixed-active must be in [1, N]")
+    if args.seq_len > MODEL["max_seq_len"]:
+        p.error(f"--seq-len must be <= {MODEL['max_seq_len']}")
+    try:
+        args.kill_list = parse_kills(args.kills, args.replicas, args.steps)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+# ------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    if not torchft_available():
+        print(INSTALL_HINT, file=sys.stderr)
+        return EXIT_NO_TORCHFT
+    args = parse_args(argv)
+    import torch
+    from importlib.metadata import version
+
+    t0 = time.time()
+    deadline_all = t0 + args.time_limit
+    shown = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    try:
+        tf_version = version("torchft-nightly")
+    except Exception:
+        tf_version = "?"
+    result: dict[str, Any] = {
+        "command": ("recover-hsdp bench peers " + shown).strip(),
+        **H.machine(torch=torch.__version__, torchft=tf_version),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replicas": args.replicas,
+        "G": args.grad_accum, "kills": args.kill_list, "relaunch_delay": args.relaunch_delay,
+        "args": {k: v for k, v in vars(args).items()}, "errors": [], "runs": {},
+        "pids": []}
+    work = Path(args.work_dir)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    procs = Procs()
+    raw: dict[str, dict] = {}
+
+    def deadline() -> float:
+        return min(deadline_all, time.time() + args.run_timeout)
+
+    old_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):   # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    plan: list[tuple[str, Any]] = []
+    if not args.no_baselines:
+        plan.append(("plain_ddp", lambda d: run_plain(args, procs, d, deadline())))
+        plan.append(("torchft_nofail",
+                     lambda d: run_torchft(args, procs, d, "dynamic", [], deadline())))
+        if not args.no_ours:
+            plan.append(("ours_nofail", lambda d: run_ours(args, procs, d, [], deadline())))
+    for m in args.modes:
+        plan.append((f"torchft_{m}", lambda d, m=m: run_torchft(args, procs, d, m,
+                                                              args.kill_list, deadline())))
+    if not args.no_ours and args.kill_list:
+        plan.append(("ours_kills", lambda d: run_ours(args, procs, d, args.kill_list,
+                                                      deadline())))
+    rc = 0
+    try:
+        for name, fn in plan:
+            if time.time() > deadline_all - 5:
+                result["errors"].append(f"{name}: not run (--time-limit reached)")
+                continue
+            _say(f"{name}: start")
+            run = fn(work / name)
+            run["name"] = name
+            raw[name] = run
+            _say(f"{name}: done ({', '.join(run['errors']) or 'ok'})")
+    except KeyboardInterrupt:
+        result["errors"].append("interrupted")
+        rc = 130
+    finally:
+        procs.close()
+        signal.signal(signal.SIGTERM, old_term)
+        result["pids"] = list(procs.pids)
+    ref = None
+    if "ours_nofail" in raw:
+        with contextlib.suppress(Exception):
+            ref = analyze(raw["ours_nofail"])["losses"]
+    for name, run in raw.items():
+        try:
+            result["runs"][name] = analyze(run, ref)
+        except Exception as e:
+            result["errors"].append(f"{name}: cannot analyse {run['run_dir']}: "
+                                    f"{' '.join(str(e).split())}")
+        result["runs"].get(name, {})["errors"] = run.get("errors", [])
+        result["runs"].get(name, {})["notes"] = run.get("notes", [])
+    result["verdicts"] = verdicts(result["runs"])
+    result["load_end"] = H.load()
+    result["wall_s"] = time.time() - t0
+    if args.plot_dir and result["runs"]:
+        try:
+            result["plots"] = write_plot(result, Path(args.plot_dir))
+        except Exception as e:
+            result["errors"].append(f"plot: {e}")
+    result["out"] = str(H.write_json(args.out, result))
+    print(format_table(result), flush=True)
+    if rc:
+        return rc
+    bad = result["errors"] or any(r.get("errors") for r in raw.values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
