@@ -102,7 +102,8 @@ def run_worker(cfg: Any) -> int:
             boundary=mt.boundary,
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
             failures=mt.failures, contributions=mt.contributions, divisor=mt.divisor,
-            epoch=mt.epoch, local={"wall_s": round(mt.wall_s, 6), "rank": mgr.rank}))
+            epoch=mt.epoch, local={"wall_s": round(mt.wall_s, 6), "rank": mgr.rank,
+                                   "bucket_epochs": mgr.orch.bucket_epochs()}))
         recorder.save_params(mt.step, _shards(mgr))
         last = mt
         if _is_logger(mgr):

@@ -144,6 +144,13 @@ class StepTxnOrchestrator:
         """True between a NON_BLOCKING dispatch and the extension pass's fire."""
         return self._extension
 
+    def bucket_epochs(self) -> list[list[int]]:
+        """Per bucket of this iteration: the membership epochs of the reductions its content
+        holds (valid after a COMMIT verdict until the next begin_iteration). An honest commit
+        has exactly one, the same for every bucket; the step record carries it so that
+        `recover-hsdp verify` (records only too) rejects a step reduced under two memberships."""
+        return [list(b.reductions) for b in self._buckets()]
+
     def snapshot_nbytes(self) -> int:
         """Extra memory the recovery layer holds: exactly one copy of the enqueued buckets."""
         return self.store.nbytes()
@@ -164,6 +171,7 @@ class StepTxnOrchestrator:
             b.content = Content.LOCAL
             b.snap_valid = False
             b.epoch = -1
+            b.reductions = []
         self.iteration_log = IterationLog()
         self._committable = False
         if getattr(self.group, "quiesced", False):
@@ -204,6 +212,7 @@ class StepTxnOrchestrator:
         b = self.store.bind(i, tensor)
         if self._n_buckets is None:
             b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
+            b.reductions = []
         self._enqueued += 1
         self._queue.append(i)
         return i
@@ -244,10 +253,12 @@ class StepTxnOrchestrator:
                 return
             if result.ok:
                 b.content, b.epoch = Content.REDUCED, int(result.epoch)
+                b.reductions.append(b.epoch)
                 self._last_data_bucket = bucket
                 return
             if getattr(result, "reduce_failed", False):
                 b.content, b.epoch = Content.UNDEFINED, int(self.group.epoch)
+                b.reductions.append(b.epoch)
                 self._last_data_bucket = bucket
                 self.log(f"replica {self.replica}: bucket {bucket} reduce failed (undefined)")
                 return
@@ -345,6 +356,7 @@ class StepTxnOrchestrator:
             t0 = time.perf_counter()
             if self.restore_enabled:
                 self.rewinder.run_sync([(b.tensor, b.snap)])
+                b.reductions = []
             self.stats.rewind_s += time.perf_counter() - t0
             b.content = Content.LOCAL
         t0 = time.perf_counter()
@@ -384,6 +396,8 @@ class StepTxnOrchestrator:
                 zeros.append(b.tensor)
             elif b.content is not Content.LOCAL:
                 copies.append((b.tensor, b.snap))
+            if self.restore_enabled and (self._discard or b.content is not Content.LOCAL):
+                b.reductions = []
             b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
         if getattr(self.group, "quiesced", False):
             self.group.set_quiesce(False)

@@ -41,6 +41,9 @@ class Bucket:
     snap_epoch: int = -1       # group epoch when the snapshot was last (re)tagged
     content: Content = Content.LOCAL
     epoch: int = -1            # epoch of the last reduction attempt (REDUCED / UNDEFINED)
+    # membership epochs of the reductions the bucket's content holds now (a rewind or a zeroing
+    # empties it): exactly one entry at an honest commit; two = re-reduced without a rewind
+    reductions: list = field(default_factory=list)
 
     def reduced_at(self, epoch: int) -> bool:
         return self.content is Content.REDUCED and self.epoch == epoch

@@ -79,3 +79,49 @@ def check_records(steps: Mapping[int, object], *, w_init: int, B: int, policy: s
             if first_only:
                 return out
     return out
+
+
+def check_bucket_epochs(local: Mapping[int, Mapping[int, Mapping]], steps: Mapping[int, object]
+                        | None = None, *, first_only: bool = False) -> tuple[list[Violation], int]:
+    """Every bucket of a committed step must hold ONE reduction, all under ONE membership.
+
+    ``local``: step -> global rank -> the rank-local dict of its step record, whose
+    ``bucket_epochs`` (written by the trainer from the orchestrator) lists, per bucket, the
+    membership epochs of the reductions its committed content holds (a rewind empties the list).
+    An honest step has ``[[e], [e], ...]`` on every rank with e the step's epoch. A bucket
+    re-reduced on top of a sum reduced under an older membership (restoration disabled: a missing
+    rewind) holds two epochs; a bucket left reduced under the old membership (a stale bucket)
+    disagrees with the others. Returns (violations, ranks-steps that carried the field).
+    """
+    out: list[Violation] = []
+    checked = 0
+    for s in sorted(local):
+        step_epoch = getattr((steps or {}).get(s), "epoch", None) if steps else None
+        bad = []
+        for rank in sorted(local[s]):
+            be = (local[s][rank] or {}).get("bucket_epochs")
+            if be is None:
+                continue
+            checked += 1
+            flat = set()
+            for i, ep in enumerate(be):
+                ep = list(ep or [])
+                if len(ep) != 1:
+                    what = ("no reduction" if not ep else
+                            f"{len(ep)} reductions under epochs {ep}")
+                    bad.append(f"rank {rank}, bucket {i}: {what} in its committed sum "
+                               f"(reduced under more than one membership: a missing rewind)"
+                               if len(set(ep)) > 1 else
+                               f"rank {rank}, bucket {i}: {what} in its committed sum")
+                flat.update(ep)
+            if len(flat) > 1:
+                bad.append(f"rank {rank}: buckets reduced under different memberships "
+                           f"(epochs {sorted(flat)}; a stale bucket)")
+            elif flat and step_epoch is not None and flat != {int(step_epoch)}:
+                bad.append(f"rank {rank}: buckets reduced under epoch {min(flat)}, the step "
+                           f"committed under epoch {step_epoch}")
+        if bad:
+            out.append(Violation(s, "; ".join(dict.fromkeys(bad))))
+            if first_only:
+                break
+    return out, checked

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from recover_hsdp.record import INIT_STEP, RecordError, load_params, param_copies, param_steps
-from recover_hsdp.verify.records import check_records
+from recover_hsdp.verify.expected import check_expected
+from recover_hsdp.verify.records import check_bucket_epochs, check_records
 from recover_hsdp.verify.spec import RunSpec, VerifyInputError
 from recover_hsdp.verify.tolerance import (DEFAULT_C, DEFAULT_C_RMS, DEFAULT_REL_FLOOR, Tolerance,
                                            ulp_floor)
@@ -333,10 +334,23 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                            first_only=True):
         raise _Failed(v.step, f"step {v.step}: {v.message}",
                       {"kind": "record", "step": v.step, "message": v.message})
+    for v in check_expected(steps, w_init=spec.w_init, g_init=spec.g_init, policy=spec.policy,
+                            first_only=True):
+        raise _Failed(v.step, v.message, {"kind": "expected_ids", "step": v.step,
+                                          "replica": v.replica, "message": v.message})
+    bad_epochs, n_epochs = check_bucket_epochs(record.local, steps, first_only=True)
+    for v in bad_epochs:
+        raise _Failed(v.step, f"step {v.step}: {v.message}",
+                      {"kind": "bucket_epochs", "step": v.step, "message": v.message})
+    if not n_epochs:
+        note("the step records carry no per-bucket membership epochs (bucket_epochs; older "
+             "trainer or synthetic run): the one-membership check was skipped")
     if records_only:
         result.ok, result.exit_code = True, EXIT_OK
-        result.message = (f"verify: OK  steps={len(steps)}  (records only: no replay, "
-                          f"parameters not compared)")
+        result.message = (f"verify: OK  steps={len(steps)}  (records only: ids re-derived from "
+                          f"the failure events" + (", one membership per step" if n_epochs
+                                                   else "") +
+                          "; no replay, parameters NOT compared)")
         return
 
     import torch

@@ -46,6 +46,7 @@ class Commit:
     case_b: bool
     alive: tuple
     steps: int
+    bucket_epochs: list = field(default_factory=list)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def simulate(w: int, g: int, *, kills=(), iterations: int = 2, policy: str = "st
             ids = data.commit(pol)  # before after_commit: the step being committed
             sim.commits[(r, it)] = Commit(torch.cat(tensors).clone(), ids, divisor,
                                           list(log.modes), list(log.failures), log.case_b,
-                                          alive, steps)
+                                          alive, steps, orch.bucket_epochs())
             orch.after_successful_commit()
         return orch
 
@@ -652,3 +653,33 @@ def test_random_kill_schedules(seed):
                    expect_all_fired=False)
     for it in range(3):
         check(sim, it, B=w * g)
+
+
+# ---- the per-bucket membership record (verify's one-membership check) -----------------------
+
+ONE_MEMBERSHIP_CASES = [
+    dict(w=4, g=2, kills=[Kill(3, 0, "allreduce", 2)]),                    # boundary mid-pass
+    dict(w=4, g=1, prefail=(3,), kills=[Kill(0, 0, "allreduce", 2)]),      # spare, blocking
+    dict(w=4, g=2, kills=[Kill(3, 0, "allreduce", 1), Kill(2, 0, "allreduce", 5)]),
+    dict(w=4, g=2, kills=[Kill(3, 0, "allreduce", 2)], hsdp_style=True),
+]
+
+
+@pytest.mark.parametrize("case", ONE_MEMBERSHIP_CASES, ids=range(len(ONE_MEMBERSHIP_CASES)))
+def test_bucket_epochs_one_membership_iff_restored(case):
+    """Restored: every bucket of every commit holds exactly one reduction, all under the same
+    epoch. Restore disabled: some bucket of the failure's commit holds two (a missing rewind)."""
+    good = simulate(**case)
+    for (r, it), c in good.commits.items():
+        assert c.bucket_epochs and all(len(e) == 1 for e in c.bucket_epochs), (r, it, c)
+        assert len({e[0] for e in c.bucket_epochs}) == 1, (r, it, c.bucket_epochs)
+    bad = simulate(**case, restore_enabled=False)
+    multi = [(r, it, c.bucket_epochs) for (r, it), c in bad.commits.items()
+             if any(len(set(e)) > 1 for e in c.bucket_epochs)]
+    assert multi, "restore disabled after a mid-pass failure, yet one membership per bucket"
+
+
+def test_bucket_epochs_of_a_failure_before_any_reduction_are_clean_either_way():
+    sim = simulate(4, 2, kills=[Kill(3, 0, "allreduce", 0)], restore_enabled=False)
+    for c in sim.commits.values():
+        assert all(len(e) == 1 for e in c.bucket_epochs)
