@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("recover_hsdp.tools.report", "plots and tables from run directories"),
     "tokenizer": ("recover_hsdp.tools.tokenizer", "train a sentencepiece tokenizer on a corpus"),
     "corpus": ("recover_hsdp.tools.corpus", "build the embedded public-domain corpus"),
+    "chaos": ("recover_hsdp.tools.chaos", "soak: random kills/hangs/errors from outside"),
 }
 
 
