@@ -285,6 +285,12 @@ def judge_run(job: Job, launcher_wall_s: float, stopped: str | None) -> JobResul
 
     steps = int(job.cfg.run.steps)
     res = JobResult(job, "failed", EXIT_FAILED, steps, launcher_wall_s=launcher_wall_s)
+    try:  # a replica killed after the last consensus is alive in summary.json: its marker wins
+        from recover_hsdp.faults.failstop import reconcile_summary
+
+        reconcile_summary(job.run_dir, int(job.cfg.parallel.shard_size))
+    except Exception:  # noqa: BLE001 - judging must not fail on a bookkeeping problem
+        pass
     try:
         rec = read_run(job.run_dir)
     except RecordError as e:

@@ -168,3 +168,18 @@ def test_gate_bound_and_config():
     with pytest.raises(TrainConfigError, match="hang_timeout_s"):
         RunConfig(hang_timeout_s=1.0, heartbeat_s=1.0)
     RunConfig(hang_timeout_s=None, shard_timeout_s=1)  # detector off: no bound to respect
+
+
+def test_reconcile_summary_with_the_dying_ranks_marker(tmp_path):
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "fired.rank3.json").write_text("{}")
+    entry = {"step": 9, "replica": 1, "local_rank": 1, "location": "optimizer_step"}
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"steps_committed": 10, "replicas_alive": [0, 1], "failures_survived": 0,
+         "faults": {"fired": [], "unreached": [entry], "pending": []}}))
+    assert fs.reconcile_summary(tmp_path, 2) == [1]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["replicas_alive"] == [0] and s["failures_survived"] == 1
+    assert s["faults"]["fired"] == [entry] and s["faults"]["unreached"] == []
+    assert s["extra"]["reconciled"] == {"1": "scheduled kill of rank 3"}
+    assert fs.reconcile_summary(tmp_path, 2) == []  # idempotent
