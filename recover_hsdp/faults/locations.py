@@ -15,7 +15,7 @@ CONSENSUS = "consensus"            # before the cross-replica ULFM consensus
 CLOSURE = "closure"                # in the consensus closure, right after a world round that
 #                                    reported a failure (only in a step where one was seen)
 AGREED = "agreed"                  # before the world all-reduce of the agreed vector (every step)
-REBUILD = "rebuild"                # after a failure, before the replicate group's repair round
+REBUILD = "rebuild"                # after a failure was agreed, at the start of the replicate-group rebuild
 RE_REDUCE = "re_reduce"            # after a handled failure, before a re-issued all-reduce of bucket b
 EXTENSION = "extension"            # boundary step, before the forward of extension microbatch k
 PRE_STEP = "pre_step"              # gradients agreed, before the divide by B and the optimizer step

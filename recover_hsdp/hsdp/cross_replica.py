@@ -293,14 +293,13 @@ class HSDPCrossReplicaGroup:
         caller's world round reports the death to everyone.
         """
         expected = [r * self.S + self.shard_index for r in alive]
-        first = True
+        # reached in every round that agreed a failure, whether or not my group still needs a
+        # repair (it may have repaired itself in a Detect of the reduction pass)
+        self._checkpoint("rebuild")
         for _ in range(len(expected) + self.w_init + 2):
             have = sorted(self.rg.global_ranks)
             if have == expected or not set(expected) <= set(have):
                 return
-            if first:
-                self._checkpoint("rebuild")
-                first = False
             self.rg.consensus()
         raise RuntimeError(f"replicate group {self.shard_index} did not converge to ranks "
                            f"{expected} (has {sorted(self.rg.global_ranks)})")
