@@ -154,6 +154,11 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
             if e.exists():
                 det = json.loads(e.read_text())["time"] - f["t"]
         f["detection_s"] = det
+    stopped = {f["rank"] for f in res["faults"] if f["kind"] == "stop"}
+    hung_files = sorted((run_dir / "faults").glob("hung.rank*.json")) \
+        if (run_dir / "faults").is_dir() else []
+    res["false_detections"] = [int(p.name[len("hung.rank"):-len(".json")]) for p in hung_files
+                               if int(p.name[len("hung.rank"):-len(".json")]) not in stopped]
     complete = res["committed"] == res["steps"]
     missing = {f["replica"] for f in res["faults"]} - lost
     ok = complete and not res["hung"] and not missing
@@ -195,6 +200,7 @@ def report(results: list[dict]) -> str:
              f"hangs: {sum(r['hung'] for r in results)}",
              f"steps committed: {sum(r.get('committed', 0) for r in results)}/"
              f"{sum(r['steps'] for r in results)}",
+             f"false hang detections: {sum(len(r.get('false_detections', [])) for r in results)}",
              "faults: " + ", ".join(f"{k} {sum(f['kind'] == k for f in faults)}" for k in KINDS)]
     for k in KINDS:
         fk = [f for f in faults if f["kind"] == k]

@@ -183,3 +183,22 @@ def test_reconcile_summary_with_the_dying_ranks_marker(tmp_path):
     assert s["faults"]["fired"] == [entry] and s["faults"]["unreached"] == []
     assert s["extra"]["reconciled"] == {"1": "scheduled kill of rank 3"}
     assert fs.reconcile_summary(tmp_path, 2) == []  # idempotent
+
+
+def test_sigusr1_raise_seam_becomes_a_fail_stop(tmp_path):
+    """What `recover-hsdp chaos` does to make a rank raise: the error is recorded, then the
+    process dies by SIGKILL (never a non-zero exit, which ULFM would not see)."""
+    code = ("import os, signal, time\n"
+            "from recover_hsdp.faults import failstop as fs\n"
+            f"fs.configure({str(tmp_path)!r}, rank=2, replica=1)\n"
+            "fs.install_hooks()\n"
+            "fs.set_context('loss_fn', 4)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "while True: time.sleep(0.01)\n")
+    env = dict(__import__("os").environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    rec = json.loads((tmp_path / "errors" / "rank2.json").read_text())
+    assert rec["class"] == "InjectedFault" and rec["step"] == 4
+    assert "rank 2: InjectedFault" in p.stderr
