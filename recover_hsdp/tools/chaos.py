@@ -64,7 +64,7 @@ def _committed(run_dir: Path) -> int:
 
 
 def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
-    W, S, steps = args.replicas, args.shard_size, args.steps
+    W, S, steps = args.replicas, rng.choice(args.shard_size), args.steps
     run_dir = out / f"run{i:04d}"
     n_faults = rng.randint(1, min(args.faults, W - 1)) if args.faults > 0 else 0
     victims = rng.sample(range(W), n_faults)
@@ -119,7 +119,7 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
     p.wait()
     log.close()
     res = {"run": i, "dir": str(run_dir), "rc": p.returncode, "hung": hung, "faults": faults,
-           "wall_s": time.time() - t0, "steps": steps}
+           "wall_s": time.time() - t0, "steps": steps, "replicas": W, "shard_size": S}
     _judge(res, run_dir, W, S)
     return res
 
@@ -218,7 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--shard-size", type=int, default=1)
+    ap.add_argument("--shard-size", default="1",
+                    help="shard size, or a comma list to draw from per run (e.g. 1,2)")
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--faults", type=int, default=2, help="at most this many per run (< W)")
     ap.add_argument("--kinds", default="kill,stop,raise")
@@ -230,6 +231,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra `recover-hsdp train` overrides")
     args = ap.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
+    try:
+        args.shard_size = [int(x) for x in str(args.shard_size).split(",") if x]
+    except ValueError:
+        args.shard_size = []
+    if not args.shard_size or min(args.shard_size) < 1:
+        print("recover-hsdp chaos: --shard-size must be integers >= 1", file=sys.stderr)
+        return 2
     bad = [k for k in args.kinds if k not in KINDS]
     if bad or not args.kinds:
         print(f"recover-hsdp chaos: --kinds must be from {','.join(KINDS)} (got {bad})",
@@ -245,7 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for i in range(args.runs):
         r = one_run(i, args, out, rng)
         results.append(r)
-        print(f"[chaos] run {i}: {'OK' if r['ok'] else 'FAILED: ' + r['reason']}; "
+        print(f"[chaos] run {i} (W={r['replicas']} S={r['shard_size']}): "
+              f"{'OK' if r['ok'] else 'FAILED: ' + r['reason']}; "
               f"{r.get('committed', 0)}/{r['steps']} steps, faults "
               f"{[(f['kind'], f['rank']) for f in r['faults']]}, {r['wall_s']:.0f} s", flush=True)
         with open(out / "results.jsonl", "a") as f:
