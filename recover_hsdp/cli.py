@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("recover_hsdp.sim.cli", "effective training time at 1k-100k GPUs (simulation)"),
     "tokenizer": ("recover_hsdp.tools.tokenizer", "train a sentencepiece tokenizer on a corpus"),
     "corpus": ("recover_hsdp.tools.corpus", "build the embedded public-domain corpus"),
+    "chaos": ("recover_hsdp.tools.chaos", "soak: random kills/hangs/errors from outside"),
 }
 
 

@@ -152,6 +152,11 @@ class RunConfig:
     store_host: Optional[str] = None       # TCPStore host the ranks connect to; null: 127.0.0.1
                                            # (hostname inside a multi-node Slurm allocation)
     time_limit_s: Optional[float] = None   # wall-clock limit of the job; null: none
+    # hung-rank detector (docs/faults.md): every rank beats every heartbeat_s; the launcher
+    # SIGKILLs a rank whose heartbeat is older than hang_timeout_s (null or 0: off)
+    heartbeat_s: float = 1.0
+    hang_timeout_s: Optional[float] = 5.0
+    progress_timeout_s: Optional[float] = None  # also kill on no progress outside long phases
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
@@ -172,6 +177,31 @@ class RunConfig:
             raise TrainConfigError(f"run.name({self.name!r}) must be a plain directory name")
         if not all(isinstance(a, str) for a in self.mpirun_args):
             raise TrainConfigError(f"run.mpirun_args({list(self.mpirun_args)!r}) must be strings")
+        _check_hang_detector(self)
+
+
+def _check_hang_detector(run: "RunConfig") -> None:
+    """The chain of bounded waits (docs/faults.md): the shard-group timeout, which bounds the
+    replica-consistency gate, must outlast the longest repair a healthy mate may be waiting in
+    (a hung rank elsewhere: detection + ULFM repair)."""
+    from recover_hsdp.faults.failstop import gate_bound_s
+
+    if not _is_real(run.heartbeat_s) or not run.heartbeat_s > 0:
+        raise TrainConfigError(f"run.heartbeat_s({run.heartbeat_s!r}) must be > 0")
+    for k in ("hang_timeout_s", "progress_timeout_s"):
+        v = getattr(run, k)
+        if v is not None and (not _is_real(v) or v < 0):
+            raise TrainConfigError(f"run.{k}({v!r}) must be >= 0 or null (off)")
+    if run.hang_timeout_s:
+        if run.hang_timeout_s < 2 * run.heartbeat_s:
+            raise TrainConfigError(f"run.hang_timeout_s({run.hang_timeout_s!r}) must be at least "
+                                   f"2 x run.heartbeat_s({run.heartbeat_s!r})")
+        bound = gate_bound_s(run.hang_timeout_s, run.heartbeat_s)
+        if run.shard_timeout_s <= bound:
+            raise TrainConfigError(
+                f"run.shard_timeout_s({run.shard_timeout_s!r}) must exceed {bound:g} s, the "
+                f"longest repair a healthy rank may wait for at the gate with "
+                f"run.hang_timeout_s={run.hang_timeout_s!r} (docs/faults.md)")
 
 
 @dataclass

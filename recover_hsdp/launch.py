@@ -98,7 +98,8 @@ def rank_env(store: str, *, omp_num_threads: int = 1, shard_timeout_s: float | N
 def exported_vars(env: Mapping[str, str]) -> list[str]:
     """The knobs to pass with ``-x`` (only those set: mpirun warns about unset ones)."""
     names = [ENV_STORE, ENV_OMP, ENV_SHARD_TIMEOUT, "PYTHONUNBUFFERED", "PYTHONPATH", ENV_WORKER_FN,
-             "RECOVER_HSDP_CACHE", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"]
+             "RECOVER_HSDP_CACHE", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
+             "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1"]
     return [n for n in names if n in env]
 
 

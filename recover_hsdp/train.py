@@ -209,6 +209,12 @@ def judge_run(job: Job, launcher_wall_s: float, stopped: str | None) -> JobResul
 
     steps = int(job.cfg.run.steps)
     res = JobResult(job, "failed", EXIT_FAILED, steps, launcher_wall_s=launcher_wall_s)
+    try:  # a replica killed after the last consensus is alive in summary.json: its marker wins
+        from recover_hsdp.faults.failstop import reconcile_summary
+
+        reconcile_summary(job.run_dir, int(job.cfg.parallel.shard_size))
+    except Exception:  # noqa: BLE001 - judging must not fail on a bookkeeping problem
+        pass
     try:
         rec = read_run(job.run_dir)
     except RecordError as e:
@@ -238,6 +244,16 @@ def judge_run(job: Job, launcher_wall_s: float, stopped: str | None) -> JobResul
             res.status = "incomplete"
             if rec.gaps:
                 res.note = f"gaps in the committed steps: {rec.gaps[:10]}"
+    if res.exit_code != EXIT_OK:
+        # every replica logged the same error: a user error that hits every rank alike
+        from recover_hsdp.faults.failstop import common_error
+
+        par = job.cfg.parallel
+        common = common_error(job.run_dir, int(par.replicas), int(par.shard_size))
+        if common is not None:
+            res.status, res.note = "error", common[0]
+            res.exit_code = EXIT_CONFIG if common[1] == 2 else EXIT_FAILED
+            return res
     if res.exit_code != EXIT_OK and stopped == "time_limit":
         res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
     elif res.exit_code != EXIT_OK and stopped == "interrupted":
@@ -274,8 +290,19 @@ def launch_job(job: Job) -> JobResult:
             (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
             print(f"[{PROG}] run directory {run_dir}", flush=True)
             print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
-            outcome = run_job(cmd, env, log_path=ldir / "output.log",
-                              time_limit_s=job.cfg.run.time_limit_s)
+            watchdog = None
+            if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict and SIGKILL from here
+                from recover_hsdp.faults.failstop import HangWatchdog
+
+                watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
+                                        float(job.cfg.run.heartbeat_s),
+                                        job.cfg.run.get("progress_timeout_s")).start()
+            try:
+                outcome = run_job(cmd, env, log_path=ldir / "output.log",
+                                  time_limit_s=job.cfg.run.time_limit_s)
+            finally:
+                if watchdog is not None:
+                    watchdog.stop()
     except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
         res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
         res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="
@@ -297,6 +324,8 @@ def _fmt_s(v: float | None) -> str:
 
 
 def format_summary(res: JobResult) -> str:
+    if res.status == "error":   # the same error on every replica: one line (run dir inside)
+        return f"[{PROG}] error: {res.note}"
     tps = "-" if res.tokens_per_s is None else f"{res.tokens_per_s:,.0f} tokens/s"
     alive = f" (replicas alive: {res.replicas_alive})" if res.replicas_alive else ""
     lines = [
@@ -393,6 +422,8 @@ def worker_main(path: str) -> int:
 
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "?"))
     world = os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
+    from recover_hsdp.faults import failstop
+
     try:
         cfg = load_config(path)
         check_world(cfg, int(world) if world else None)
@@ -400,7 +431,11 @@ def worker_main(path: str) -> int:
     except (TrainConfigError, RuntimeError) as e:
         print(f"{PROG} --worker [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    return int(fn(cfg) or 0)
+    # any exception or error exit from here on is a fail-stop the survivors see (a non-zero
+    # exit is not noticed by ULFM): logged to <run dir>/errors/, then SIGKILL
+    failstop.configure(os.environ.get(failstop.ENV_RUN_DIR) or cfg.run.get("output_dir"))
+    failstop.install_hooks()
+    return int(failstop.run_failstop(fn, cfg, where="trainer") or 0)
 
 
 # ---------------------------------------------------------------------------------------------

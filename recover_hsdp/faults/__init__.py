@@ -13,9 +13,11 @@ from __future__ import annotations
 from recover_hsdp.faults.config import KINDS, FailuresConfig
 from recover_hsdp.faults.injector import FailureInjector, replica_lost_exit, sigkill_self
 from recover_hsdp.faults.locations import (
+    AGREED,
     ALWAYS_REACHED,
     BACKWARD,
     BUCKET_LOCATIONS,
+    CLOSURE,
     CONDITIONAL,
     CONSENSUS,
     EXTENSION,
@@ -26,6 +28,8 @@ from recover_hsdp.faults.locations import (
     OPTIMIZER_STEP,
     PRE_STEP,
     RE_REDUCE,
+    REBUILD,
+    RECOVERY,
     REDUCE,
 )
 from recover_hsdp.faults.schedule import (
@@ -38,7 +42,8 @@ from recover_hsdp.faults.schedule import (
 )
 
 __all__ = [
-    "ALWAYS_REACHED", "BACKWARD", "BUCKET_LOCATIONS", "CONDITIONAL", "CONSENSUS",
+    "AGREED", "ALWAYS_REACHED", "BACKWARD", "BUCKET_LOCATIONS", "CLOSURE", "CONDITIONAL",
+    "CONSENSUS", "REBUILD", "RECOVERY",
     "DEFAULT_WEIGHTS", "EXTENSION", "FORWARD", "FailureEntry", "FailureInjector",
     "FailureSchedule", "FailuresConfig", "GATE", "KINDS", "LOCATIONS", "MICROBATCH_LOCATIONS",
     "OPTIMIZER_STEP", "PRE_STEP", "RE_REDUCE", "REDUCE", "ScheduleError", "generate",

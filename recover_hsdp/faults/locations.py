@@ -12,13 +12,18 @@ BACKWARD = "backward"              # main loop, after the forward of microbatch 
 REDUCE = "reduce"                  # first cross-replica reduction pass, before bucket b's all-reduce
 GATE = "gate"                      # before the replica-consistency gate (barrier on shard_pg)
 CONSENSUS = "consensus"            # before the cross-replica ULFM consensus
+CLOSURE = "closure"                # in the consensus closure, right after a world round that
+#                                    reported a failure (only in a step where one was seen)
+AGREED = "agreed"                  # before the world all-reduce of the agreed vector (every step)
+REBUILD = "rebuild"                # after a failure was agreed, at the start of the replicate-group rebuild
 RE_REDUCE = "re_reduce"            # after a handled failure, before a re-issued all-reduce of bucket b
 EXTENSION = "extension"            # boundary step, before the forward of extension microbatch k
 PRE_STEP = "pre_step"              # gradients agreed, before the divide by B and the optimizer step
 OPTIMIZER_STEP = "optimizer_step"  # optimizer has updated the local shard, before the step record
 
 LOCATIONS: tuple[str, ...] = (
-    FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, RE_REDUCE, EXTENSION, PRE_STEP, OPTIMIZER_STEP,
+    FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, CLOSURE, AGREED, REBUILD, RE_REDUCE, EXTENSION,
+    PRE_STEP, OPTIMIZER_STEP,
 )
 
 #: locations indexed by a microbatch (``microbatch`` field / argument)
@@ -27,9 +32,12 @@ MICROBATCH_LOCATIONS: frozenset[str] = frozenset({FORWARD, BACKWARD, EXTENSION})
 BUCKET_LOCATIONS: frozenset[str] = frozenset({REDUCE, RE_REDUCE})
 #: locations that every step reaches (microbatch < G_init, bucket < n_buckets)
 ALWAYS_REACHED: frozenset[str] = frozenset(
-    {FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, PRE_STEP, OPTIMIZER_STEP})
+    {FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, AGREED, PRE_STEP, OPTIMIZER_STEP})
 #: locations reached only in a step where a failure was handled (may never fire)
-CONDITIONAL: frozenset[str] = frozenset({RE_REDUCE, EXTENSION})
+CONDITIONAL: frozenset[str] = frozenset({CLOSURE, REBUILD, RE_REDUCE, EXTENSION})
+#: kill points inside the recovery protocol itself (issue 12); not in the default random weights,
+#: so random schedules drawn before they existed stay the same
+RECOVERY: frozenset[str] = frozenset({CLOSURE, AGREED, REBUILD})
 
 _ORDER = {loc: i for i, loc in enumerate(LOCATIONS)}
 

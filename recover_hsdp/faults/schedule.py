@@ -24,6 +24,7 @@ from recover_hsdp.faults.locations import (
     BUCKET_LOCATIONS,
     LOCATIONS,
     MICROBATCH_LOCATIONS,
+    RECOVERY,
     index_field,
     position,
 )
@@ -272,7 +273,8 @@ def load_schedule(path: str | os.PathLike) -> FailureSchedule:
 
 
 # -- generation -----------------------------------------------------------------------------
-DEFAULT_WEIGHTS: dict[str, float] = {loc: 1.0 for loc in LOCATIONS if loc in ALWAYS_REACHED}
+DEFAULT_WEIGHTS: dict[str, float] = {loc: 1.0 for loc in LOCATIONS
+                                     if loc in ALWAYS_REACHED and loc not in RECOVERY}
 
 
 def _weights(location_weights: Mapping[str, float] | None) -> tuple[list[str], list[float]]:

@@ -184,25 +184,37 @@ class HSDPCrossReplicaGroup:
             raise  # only reached with an injected die() in tests
         self._checkpoint("consensus")
         epoch_before = self.world.epoch
+        # Every failed rank this call learns of, from WORLD calls only (their records are
+        # identical on every survivor; a replicate group's record is not seen by the other S-1
+        # groups). It only grows: a death at any point of the recovery (closure, agreed vector,
+        # rebuild) is absorbed by one more round of the loop with the same view everywhere.
         failed_ranks: set[int] = set()
         while True:
-            failed_ranks |= self._closure()
-            w = self.w_init
-            vec = torch.zeros(1 + 2 * w, dtype=torch.float64)
-            vec[0] = 1.0 if self._clean else 0.0
-            vec[1 + self.replica] = float(self._contributed)
-            vec[1 + w + self.replica] = self._loss_sum
+            self._closure(failed_ranks)
+            vec = self._agreed_vector()
+            self._checkpoint("agreed")
             red = self.world.allreduce(vec)
+            failed_ranks |= _failed(red)
             confirm = self.world.consensus()
-            failed_ranks |= set(getattr(confirm, "failed_ranks", ()) or ())
-            if red.ok and confirm.ok:
+            failed_ranks |= _failed(confirm)
+            if not (red.ok and confirm.ok):
+                continue  # a death during the agreed vector: close again, reduce it again
+            failed_replicas = sorted({g // self.S for g in failed_ranks} & set(self.alive))
+            if not failed_replicas and self.world.epoch == epoch_before:
                 break
-        failed_replicas = sorted({g // self.S for g in failed_ranks} & set(self.alive))
+            self._rebuild_groups([r for r in self.alive if r not in failed_replicas])
+            # A death during the rebuild is seen by one replicate group only: one world round
+            # makes it everyone's (the dead rank is still a member of the world communicator).
+            after = self.world.consensus()
+            failed_ranks |= _failed(after)
+            if after.ok:
+                break
+        w = self.w_init
         n = len(self.world.global_ranks)
         all_clean = int(round(vec[0].item())) == n
         contributed = {r: int(round(vec[1 + r].item() / self.S)) for r in self.alive
                        if r not in failed_replicas}
-        losses = {r: float(vec[1 + self.w_init + r].item()) for r in contributed}
+        losses = {r: float(vec[1 + w + r].item()) for r in contributed}
         if not failed_replicas and self.world.epoch == epoch_before:
             return ReplicaResult(ok=True, epoch=self.epoch, all_clean=all_clean,
                                  census=RoleCensus.of(self._roles.values()),
@@ -213,7 +225,7 @@ class HSDPCrossReplicaGroup:
         self.alive = [r for r in self.alive if r not in failed_replicas]
         contrib = self._contrib_total(new_roles, contributed, at_boundary)
         self._roles = dict(new_roles)
-        self._rebuild_groups()
+        self._finish_rebuild()
         return ReplicaResult(
             ok=False, failed_ranks=tuple(sorted(failed_ranks)), epoch=self.epoch,
             census=RoleCensus.of(new_roles[r] for r in self.alive), contrib=contrib,
@@ -222,42 +234,89 @@ class HSDPCrossReplicaGroup:
             contributed=tuple(contributed[r] for r in self.alive),
             loss_sums=tuple(losses[r] for r in self.alive))
 
+    def _agreed_vector(self) -> torch.Tensor:
+        """This rank's row of the agreed vector, summed over the closed world communicator.
+
+        Layout (float64): [0] clean (1 iff every bucket of the pass was reduced under the
+        pre-failure membership at this rank; the sum == world size is the global AND),
+        [1 + r] contributed microbatches of replica r (each of its S ranks adds it),
+        [1 + W + r] replica r's kept-loss sum (its S ranks add their shares).
+        """
+        w = self.w_init
+        vec = torch.zeros(1 + 2 * w, dtype=torch.float64)
+        vec[0] = 1.0 if self._clean else 0.0
+        vec[1 + self.replica] = float(self._contributed)
+        vec[1 + w + self.replica] = self._loss_sum
+        return vec
+
     # --- internals ------------------------------------------------------------------------
     def _replicate_ranks(self) -> list[int]:
         return [r * self.S + self.shard_index for r in self.alive]
 
-    def _closure(self) -> set[int]:
-        """ULFM_CONSENSUS on the world until it holds exactly the surviving replicas' ranks."""
-        failed: set[int] = set()
+    def _closure(self, failed: set[int]) -> None:
+        """ULFM_CONSENSUS on the world until it holds exactly the surviving replicas' ranks.
+
+        `failed` holds every failed rank the caller already knows of (it is updated in place):
+        the surviving replicas are `self.alive` minus the replicas of those ranks, never a stale
+        set. A rank the world communicator no longer holds is dead (the world only shrinks by
+        repairs), whatever record reported it: it is added too, so a dropped report cannot make
+        `expected` unreachable.
+        """
         while True:
             res = self.world.consensus()
-            failed |= set(res.failed_ranks or ())
+            new = _failed(res)
+            failed |= new
+            failed |= {g for r in self.alive for g in self._ranks_of(r)} - set(
+                self.world.global_ranks)
             dead = {g // self.S for g in failed}
             if self.replica in dead:
                 self._die()  # my replica lost a member: leave so the others can close
-            expected = sorted(r * self.S + j for r in self.alive if r not in dead
-                              for j in range(self.S))
+                raise RuntimeError("die() returned")  # only with an injected die() in tests
+            if new:
+                self._checkpoint("closure")  # a death right after a round that saw one
+            expected = sorted(g for r in self.alive if r not in dead for g in self._ranks_of(r))
             if sorted(self.world.global_ranks) == expected:
-                return failed
+                return
 
-    def _rebuild_groups(self) -> None:
-        """Bring my replicate group to exactly the surviving replicas.
+    def _ranks_of(self, replica: int) -> range:
+        return range(replica * self.S, (replica + 1) * self.S)
+
+    def _rebuild_groups(self, alive: Sequence[int]) -> None:
+        """Bring my replicate group to the replicas `alive` (the agreed survivors), if it can.
 
         After the world closure every rank of a failed replica is dead, so a ULFM_CONSENSUS on
         the group (Detect -> Repair) shrinks it to the survivors; every member of the group gets
-        here, so the calls pair up. (MPI_Comm_create_group on MPI_COMM_WORLD is refused once a
-        process has failed, hence repair-in-place rather than rebuild.)
+        here with the same `alive`, so the calls pair up. (MPI_Comm_create_group on
+        MPI_COMM_WORLD is refused once a process has failed, hence repair-in-place rather than
+        rebuild.) A member that dies meanwhile shrinks the group below `alive`: that is not an
+        error here. The group stops (uniformly: every member got the same record) and the
+        caller's world round reports the death to everyone.
         """
-        expected = self._replicate_ranks()
+        expected = [r * self.S + self.shard_index for r in alive]
+        # reached in every round that agreed a failure, whether or not my group still needs a
+        # repair (it may have repaired itself in a Detect of the reduction pass)
+        self._checkpoint("rebuild")
         for _ in range(len(expected) + self.w_init + 2):
-            if sorted(self.rg.global_ranks) == expected:
-                break
+            have = sorted(self.rg.global_ranks)
+            if have == expected or not set(expected) <= set(have):
+                return
             self.rg.consensus()
-        else:
-            raise RuntimeError(f"replicate group {self.shard_index} did not converge to ranks "
-                               f"{expected} (has {sorted(self.rg.global_ranks)})")
+        raise RuntimeError(f"replicate group {self.shard_index} did not converge to ranks "
+                           f"{expected} (has {sorted(self.rg.global_ranks)})")
+
+    def _finish_rebuild(self) -> None:
+        """The agreed membership is final and my group holds exactly it: reset its state."""
+        expected = self._replicate_ranks()
+        if sorted(self.rg.global_ranks) != expected:  # cannot happen after a clean world round
+            raise RuntimeError(f"replicate group {self.shard_index} holds ranks "
+                               f"{sorted(self.rg.global_ranks)}, agreed {expected}")
         self._group_quiesced = False
         self._quiesce_flag = False
         self.rg.set_quiesce(False)
         self.rg.set_roles([self._roles[r] for r in self.alive])
         self.rg.set_contributed(self._contributed)
+
+
+def _failed(res) -> set[int]:
+    """The failed world ranks a record reports (none for an ok call or a failed data phase)."""
+    return set(getattr(res, "failed_ranks", ()) or ())

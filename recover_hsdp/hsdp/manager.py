@@ -17,6 +17,7 @@ skipped or replayed. A rank whose replica lost a member leaves by SIGKILL (ULFM 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from recover_hsdp.faults import FailureInjector, replica_lost_exit
+from recover_hsdp.faults import FailureInjector, failstop, replica_lost_exit
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
@@ -136,6 +137,12 @@ class HSDPULFMTrainingManager:
                                         verbose=True)
         self.log = log or (lambda s: None)
         self.step = 0
+        # any error in this rank becomes a fail-stop the survivors see (docs/faults.md)
+        failstop.configure(getattr(recorder, "run_dir", None), self.rank, self.replica)
+        failstop.install_hooks()
+        self._fail_kill: Optional[Callable[[], None]] = None  # tests: replaces the SIGKILL
+        self.heartbeat = failstop.start_heartbeat(
+            getattr(recorder, "run_dir", None) or os.environ.get(failstop.ENV_RUN_DIR), self.rank)
         self.cross = HSDPCrossReplicaGroup(
             world=self.world, replicas=replicas, shard_size=shard_size, global_rank=self.rank,
             make_group=UlfmGroup.from_ranks, shard_barrier=self._shard_barrier,
@@ -181,7 +188,21 @@ class HSDPULFMTrainingManager:
 
     # --- one committed iteration -----------------------------------------------------------
     def train_step(self) -> StepMetrics:
-        """Run one iteration to its commit (failures included) and return its metrics."""
+        """Run one iteration to its commit (failures included) and return its metrics.
+
+        Any exception inside (microbatch_fn, loss_fn, backward, the optimizer step, the
+        protocol) is a fail-stop: logged to the run record, then this rank leaves by SIGKILL so
+        that the survivors see a failure (a raised exception would exit non-zero, which ULFM does
+        not notice). A shard-group collective error means this replica lost a member."""
+        try:
+            return self._train_step()
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, SystemExit) and e.code in (0, None):
+                raise
+            failstop.fail_stop(e, failstop._state["where"], kill=self._fail_kill)
+            raise
+
+    def _train_step(self) -> StepMetrics:
         t0 = time.perf_counter()
         step, pol, orch = self.step, self.policy, self.orch
         self._failure_handled = False
@@ -200,13 +221,16 @@ class HSDPULFMTrainingManager:
                 keep = pol.keeps(self.replica, m)
                 self.injector.check("extension" if ext else "forward", step,
                                     microbatch=(m - base) if ext else m)
+                failstop.set_context("microbatch_fn", step)
                 x, y = self.microbatch_fn(self.replica, mb_id)
                 x, y = self._rows(x).to(self.device), self._rows(y).to(self.device)
 
                 def closure(x=x, y=y, m=m, ext=ext):
+                    failstop.set_context("loss_fn", step)
                     loss = self.loss_fn(self.module, x, y) / self.S
                     if not ext:
                         self.injector.check("backward", step, microbatch=m)
+                    failstop.set_context("backward", step)
                     return loss
 
                 try:
@@ -220,6 +244,7 @@ class HSDPULFMTrainingManager:
                 if self._tokens_per_mb is None:
                     self._tokens_per_mb = int(y.numel()) * self.S
                 m += 1
+                failstop.tick()
                 orch.note_microbatch(m)
             self.cross.set_loss_sum(loss_sum)
             # the deferred cross-replica reduction: after the loop, never inside backward
@@ -229,7 +254,10 @@ class HSDPULFMTrainingManager:
                 orch.enqueue_bucket(t)
             orch.fire_deferred_allreduces()
             # replica-consistency gate + agreed failure view; COMMIT or EXTEND (boundary)
-            if orch.consensus() is Verdict.COMMIT:
+            failstop.set_context("cross-replica reduction/consensus", step)
+            verdict = orch.consensus()
+            failstop.tick()
+            if verdict is Verdict.COMMIT:
                 break
         # commit: the divisor is fixed (B for the static policy), never the live world size
         self.injector.check("pre_step", step)
@@ -241,7 +269,9 @@ class HSDPULFMTrainingManager:
             lr = float(self.lr_fn(step))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
+        failstop.set_context("optimizer.step", step)
         self.optimizer.step()
+        failstop.set_context(None)
         self.injector.check("optimizer_step", step)
         layout = pol.layout.as_dict()
         alive = list(pol.alive)

@@ -40,6 +40,9 @@ def run_worker(cfg: Any) -> int:
     steps = int(run["steps"])
     seed = int(run.get("seed", 0))
     run_dir = Path(run["output_dir"])
+    from recover_hsdp.faults import failstop
+
+    failstop.configure(run_dir)  # errors/rank{g}.json + traceback before a fail-stop
     torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
 
     data_cfg = data_config(c["data"], par)
@@ -171,4 +174,7 @@ if __name__ == "__main__":  # mpirun ... python -m recover_hsdp.hsdp.trainer RES
     if len(sys.argv) != 2:
         print("usage: python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run_worker(sys.argv[1]))
+    from recover_hsdp.faults import failstop
+
+    failstop.install_hooks()  # an error in a rank is a fail-stop the survivors see
+    sys.exit(failstop.run_failstop(run_worker, sys.argv[1], where="trainer"))

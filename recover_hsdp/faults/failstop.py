@@ -1,0 +1,530 @@
+"""Every error in a rank becomes a fail-stop that ULFM sees; hung ranks are found from outside.
+
+Two halves (docs/faults.md, "Fault classes"):
+
+* **Errors -> fail-stop.** A Python exception (or ``sys.exit(n != 0)``) in a rank would exit it
+  non-zero, which ULFM does NOT see as a failure: the survivors would wait forever
+  (feasibility.md). :func:`fail_stop` writes one line (``errors/rank{g}.json``) and the traceback
+  (``errors/rank{g}.traceback.txt``) to the run directory, prints one line on stderr and SIGKILLs
+  the process. :func:`run_failstop` wraps a worker function; :func:`install_hooks` routes uncaught
+  exceptions (main thread and other threads) there for custom loops. An error in a shard-group
+  collective (gloo "Connection closed by peer" / "Broken pipe" / a timeout, NCCL "remote process
+  exited", ...) is not the rank's own error: :func:`is_peer_failure` says "my replica lost a
+  member" and the rank leaves through ``replica_lost_exit``.
+* **Hung ranks.** A SIGSTOPped (or GIL-starved) rank cannot act for itself. :class:`Heartbeat`
+  is a daemon thread that rewrites ``ranks/rank{g}.json`` (pid, host, time, progress counter,
+  announced long phase) every ``period_s``; :class:`HangWatchdog` (in the launcher, which runs on
+  the node of the ranks) SIGKILLs a rank whose heartbeat is older than ``timeout_s``. A waiting
+  rank still beats (collectives release the GIL), so only a rank that cannot run at all is
+  judged hung. Optionally (``progress_timeout_s``) a rank whose progress counter has not moved
+  for that long while it is NOT inside an announced long phase is judged hung too.
+
+The launcher judges a job whose replicas all logged an error of the same class as a user error:
+one line, non-zero exit (:func:`common_error`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from recover_hsdp.faults.injector import replica_lost_exit, sigkill_self
+
+ERRORS_DIR = "errors"
+RANKS_DIR = "ranks"
+ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
+ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
+#: test/chaos seam: "1" makes SIGUSR1 raise InjectedFault in the rank's main thread
+ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"
+
+
+class InjectedFault(RuntimeError):
+    """Raised in a rank's main thread by SIGUSR1 (chaos soak: "make a rank raise")."""
+
+#: exception classes that mean "the input / configuration is missing or wrong": exit 2
+CONFIG_ERRORS = ("FileNotFoundError", "PermissionError", "NotADirectoryError",
+                 "IsADirectoryError", "TrainConfigError", "ScheduleError", "DataConfigError",
+                 "DataUnavailableError", "ConnectionError", "OfflineModeIsEnabled",
+                 "LocalEntryNotFoundError", "DatasetNotFoundError")
+
+# wording of a lost shard-group peer, whatever the backend (lower case substrings)
+_PEER_PATTERNS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe",
+    "timed out waiting", "timed out", "timeout", "remote process exited",
+    "nccl communicator was aborted", "ncclremoteerror", "ncclsystemerror",
+    "socket closed", "connection refused", "read error", "write error",
+    "process group watchdog", "collective operation timeout",
+)
+
+_state: dict[str, Any] = {"run_dir": None, "rank": None, "replica": None, "where": None,
+                          "step": None, "hooked": False}
+
+
+def configure(run_dir: Optional[os.PathLike | str] = None, rank: Optional[int] = None,
+              replica: Optional[int] = None) -> None:
+    """Where this rank's error record goes (run_dir None: RECOVER_HSDP_RUN_DIR, else stderr only)."""
+    if run_dir is not None:
+        _state["run_dir"] = Path(run_dir)
+    if rank is not None:
+        _state["rank"] = int(rank)
+    if replica is not None:
+        _state["replica"] = int(replica)
+
+
+def set_context(where: Optional[str] = None, step: Optional[int] = None) -> None:
+    """What the rank is doing (reported with an error): e.g. where="loss_fn", step=3."""
+    _state["where"] = where
+    if step is not None:
+        _state["step"] = int(step)
+
+
+def _rank() -> int:
+    if _state["rank"] is not None:
+        return _state["rank"]
+    for v in ("OMPI_COMM_WORLD_RANK", "RANK"):
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return -1
+
+
+def _run_dir() -> Optional[Path]:
+    if _state["run_dir"] is not None:
+        return _state["run_dir"]
+    d = os.environ.get(ENV_RUN_DIR)
+    return Path(d) if d else None
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when ``exc`` reads as a lost or hung shard-group peer (gloo, NCCL, timeouts)."""
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError,
+                          TimeoutError)):
+            return True
+        if isinstance(e, RuntimeError) or type(e).__name__ in ("DistBackendError",
+                                                               "DistNetworkError"):
+            msg = str(e).lower()
+            if any(p in msg for p in _PEER_PATTERNS):
+                return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def error_record(exc: BaseException, where: Optional[str] = None) -> dict:
+    msg = " ".join(str(exc).split())[:300]
+    name = type(exc).__name__
+    code = exc.code if isinstance(exc, SystemExit) else None
+    return {"rank": _rank(), "replica": _state["replica"], "pid": os.getpid(),
+            "host": socket.gethostname(), "time": time.time(), "class": name, "message": msg,
+            "where": where or _state["where"], "step": _state["step"],
+            "exit_code_hint": 2 if name in CONFIG_ERRORS or code == 2 else 1}
+
+
+def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Path]:
+    """Write errors/rank{g}.json (one line) and errors/rank{g}.traceback.txt; never raises."""
+    rec = error_record(exc, where)
+    d = _run_dir()
+    path = None
+    try:
+        if d is not None:
+            ed = d / ERRORS_DIR
+            ed.mkdir(parents=True, exist_ok=True)
+            g = rec["rank"]
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            (ed / f"rank{g}.traceback.txt").write_text(tb)
+            path = ed / f"rank{g}.json"
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                f.write(json.dumps(rec, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except Exception:  # a full disk must not keep a failed rank alive
+        path = None
+    return path
+
+
+def fail_stop(exc: BaseException, where: Optional[str] = None,
+              kill: Optional[Callable[[], None]] = None) -> None:
+    """Log ``exc`` (one line on stderr + the run record), then leave by SIGKILL. Never returns
+    (unless ``kill`` returns, in tests). A peer failure leaves as "replica lost" instead."""
+    if is_peer_failure(exc):
+        replica_lost_exit(f"rank {_rank()}: shard group failed: "
+                          f"{' '.join(str(exc).split())[:200]}", kill=kill)
+        return
+    path = write_error(exc, where)
+    rec = error_record(exc, where)
+    at = f" in {rec['where']}" if rec["where"] else ""
+    at += f" at step {rec['step']}" if rec["step"] is not None else ""
+    try:
+        print(f"[recover_hsdp] rank {rec['rank']}: {rec['class']}: {rec['message']}{at}; "
+              f"leaving by SIGKILL" + (f" (traceback: {path.with_suffix('').as_posix()}"
+                                       f".traceback.txt)" if path else ""),
+              file=sys.stderr, flush=True)
+        if path is None:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    except Exception:
+        pass
+    (kill or sigkill_self)()
+
+
+def run_failstop(fn: Callable[..., Any], *args, where: str = "worker", **kw) -> Any:
+    """Run ``fn``; any exception, or a SystemExit with a non-zero code, becomes a fail-stop."""
+    try:
+        out = fn(*args, **kw)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        fail_stop(e, where)
+        raise
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included: leave seen
+        fail_stop(e, where)
+        raise
+    return out
+
+
+def install_hooks() -> None:
+    """Route uncaught exceptions (any thread) to :func:`fail_stop`. Idempotent."""
+    if _state["hooked"]:
+        return
+    _state["hooked"] = True
+
+    def hook(tp, value, tb):  # noqa: ARG001
+        if issubclass(tp, SystemExit) and value.code in (0, None):
+            return
+        fail_stop(value, _state["where"])
+
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return
+        fail_stop(args.exc_value, f"thread {getattr(args.thread, 'name', '?')}")
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+    if os.environ.get(ENV_RAISE_ON_SIGUSR1) == "1" and \
+            threading.current_thread() is threading.main_thread():
+        def on_usr1(signum, frame):  # noqa: ARG001
+            raise InjectedFault("injected by SIGUSR1 (chaos)")
+
+        signal.signal(signal.SIGUSR1, on_usr1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeats (ranks) and the hang watchdog (launcher)
+# ---------------------------------------------------------------------------------------------
+class Heartbeat:
+    """A daemon thread rewriting ranks/rank{g}.json every ``period_s`` (atomic replace)."""
+
+    def __init__(self, run_dir: os.PathLike | str, rank: int, period_s: float = 1.0):
+        self.path = Path(run_dir) / RANKS_DIR / f"rank{int(rank)}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = int(rank)
+        self.period_s = float(period_s)
+        self.progress = 0
+        self.phase: Optional[str] = None
+        self.phase_until: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="recover_hsdp-heartbeat",
+                                        daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.beat()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def tick(self) -> None:
+        """The main thread made progress (a microbatch, a collective returned, a commit)."""
+        self.progress += 1
+
+    @contextmanager
+    def long_phase(self, name: str, expected_s: Optional[float] = None) -> Iterator[None]:
+        """Announce a phase that may make no progress for long (a checkpoint save, a heal)."""
+        self.phase, self.phase_until = name, (time.time() + expected_s if expected_s else None)
+        self.beat()
+        try:
+            yield
+        finally:
+            self.phase = self.phase_until = None
+            self.tick()
+            self.beat()
+
+    def beat(self) -> None:
+        rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+               "time": time.time(), "progress": self.progress, "phase": self.phase,
+               "phase_until": self.phase_until, "period_s": self.period_s}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.beat()
+
+
+_hb: dict[str, Optional[Heartbeat]] = {"hb": None}
+
+
+def start_heartbeat(run_dir: os.PathLike | str | None, rank: int,
+                    period_s: Optional[float] = None) -> Optional[Heartbeat]:
+    """Start this rank's heartbeat (once). period_s None: RECOVER_HSDP_HEARTBEAT_S, else off."""
+    if _hb["hb"] is not None:
+        return _hb["hb"]
+    if period_s is None:
+        v = os.environ.get(ENV_HB_PERIOD)
+        period_s = float(v) if v else None
+    if not run_dir or not period_s or period_s <= 0:
+        return None
+    _hb["hb"] = Heartbeat(run_dir, rank, period_s).start()
+    return _hb["hb"]
+
+
+def tick() -> None:
+    hb = _hb["hb"]
+    if hb is not None:
+        hb.progress += 1
+
+
+@contextmanager
+def long_phase(name: str, expected_s: Optional[float] = None) -> Iterator[None]:
+    hb = _hb["hb"]
+    if hb is None:
+        yield
+    else:
+        with hb.long_phase(name, expected_s):
+            yield
+
+
+class HangWatchdog:
+    """Launcher side: SIGKILL a local rank whose heartbeat is stale (it cannot run: SIGSTOP,
+    a frozen node process) or, with ``progress_timeout_s``, whose progress stalled outside an
+    announced long phase. Each verdict is written to faults/hung.rank{g}.json."""
+
+    def __init__(self, run_dir: os.PathLike | str, timeout_s: float, period_s: float,
+                 progress_timeout_s: Optional[float] = None,
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
+        self.run_dir = Path(run_dir)
+        self.timeout_s = float(timeout_s)
+        self.period_s = float(period_s)
+        self.progress_timeout_s = progress_timeout_s
+        self.log = log
+        self.killed: dict[int, dict] = {}
+        self._progress: dict[int, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._host = socket.gethostname()
+
+    def start(self) -> "HangWatchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(self.period_s, 0.5)):
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
+                self.log(f"[recover-hsdp] hang watchdog: {e!r}")
+
+    def poll(self, now: Optional[float] = None) -> list[int]:
+        d = self.run_dir / RANKS_DIR
+        if not d.is_dir():
+            return []
+        now = time.time() if now is None else now
+        out = []
+        for p in d.glob("rank*.json"):
+            try:
+                hb = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            g = int(hb["rank"])
+            if g in self.killed or hb.get("host") != self._host or hb.get("done"):
+                continue
+            pid = int(hb["pid"])
+            if not _alive(pid):
+                continue
+            age = now - float(hb["time"])
+            why = None
+            if age > self.timeout_s:
+                why = f"no heartbeat for {age:.1f} s (run.hang_timeout_s={self.timeout_s:g})"
+            elif self.progress_timeout_s:
+                prog = int(hb.get("progress", 0))
+                last = self._progress.get(g)
+                if last is None or last[0] != prog:
+                    self._progress[g] = (prog, now)
+                elif (hb.get("phase") is None or (hb.get("phase_until") or now + 1) < now) \
+                        and now - last[1] > self.progress_timeout_s:
+                    why = (f"no progress for {now - last[1]:.1f} s "
+                           f"(run.progress_timeout_s={self.progress_timeout_s:g})")
+            if why:
+                self._kill(g, pid, why, now, hb)
+                out.append(g)
+        return out
+
+    def _kill(self, g: int, pid: int, why: str, now: float, hb: dict) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        rec = {"rank": g, "pid": pid, "reason": why, "time": now,
+               "last_heartbeat": hb.get("time")}
+        self.killed[g] = rec
+        try:
+            fd = self.run_dir / "faults"
+            fd.mkdir(parents=True, exist_ok=True)
+            (fd / f"hung.rank{g}.json").write_text(json.dumps(rec) + "\n")
+        except OSError:
+            pass
+        self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher's reading of errors/
+# ---------------------------------------------------------------------------------------------
+def read_errors(run_dir: os.PathLike | str) -> list[dict]:
+    d = Path(run_dir) / ERRORS_DIR
+    out = []
+    if d.is_dir():
+        for p in sorted(d.glob("rank*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1
+                 ) -> Optional[tuple[str, int]]:
+    """(one line, exit code) when EVERY replica logged an error of the same class: a user error
+    that hits every rank alike (bad config, a loss that always raises). Else None."""
+    errs = read_errors(run_dir)
+    if not errs:
+        return None
+    by_replica: dict[int, dict] = {}
+    for e in sorted(errs, key=lambda e: (e.get("time") or 0)):
+        r = e.get("replica")
+        if r is None and isinstance(e.get("rank"), int) and e["rank"] >= 0:
+            r = e["rank"] // max(1, shard_size)
+        if r is not None:
+            by_replica.setdefault(int(r), e)
+    if set(by_replica) != set(range(replicas)):
+        return None
+    classes = {e["class"] for e in by_replica.values()}
+    if len(classes) != 1:
+        return None
+    first = min(by_replica.values(), key=lambda e: e.get("time") or 0)
+    where = f" in {first['where']}" if first.get("where") else ""
+    where += f" at step {first['step']}" if first.get("step") is not None else ""
+    code = 2 if all(e.get("exit_code_hint") == 2 for e in by_replica.values()) else 1
+    line = (f"every replica failed with the same error: {first['class']}: {first['message']}"
+            f"{where} (rank {first['rank']}; traceback: "
+            f"{Path(run_dir) / ERRORS_DIR / ('rank%s.traceback.txt' % first['rank'])})")
+    return line, code
+
+
+# ---------------------------------------------------------------------------------------------
+# The chain of bounded waits
+# ---------------------------------------------------------------------------------------------
+#: how often the launcher's watchdog reads the heartbeats (at most)
+WATCH_POLL_S = 0.5
+#: ULFM detection of a SIGKILLed rank + revoke + shrink + Record (measured 7-13 ms + 0.1-2 ms on
+#: this machine), plus the rest of a reduction pass after a repair (quiesced: no traffic), with
+#: two orders of magnitude of slack for a loaded machine
+REPAIR_MARGIN_S = 5.0
+
+
+def gate_bound_s(hang_timeout_s: float, heartbeat_s: float) -> float:
+    """The longest a healthy rank can wait at the replica-consistency gate for a healthy mate.
+
+    A mate is late at the gate only while it sits in a cross-replica call (its reduction pass)
+    waiting for a rank of ANOTHER replica; the microbatch loop has no cross-replica traffic, and
+    both run the same microbatches. That rank is either dead (ULFM detects it: ms) or hung: its
+    last heartbeat is at most heartbeat_s old when it stops, the watchdog sees it stale after
+    hang_timeout_s and reads every WATCH_POLL_S, then the SIGKILL is an ordinary death (repair:
+    REPAIR_MARGIN_S). The shard-group timeout must exceed this, or a healthy replica could time
+    out at the gate first and be killed.
+    """
+    return float(hang_timeout_s) + float(heartbeat_s) + WATCH_POLL_S + REPAIR_MARGIN_S
+
+
+# ---------------------------------------------------------------------------------------------
+# Reconciling summary.json with the dying ranks' own markers
+# ---------------------------------------------------------------------------------------------
+def dead_replicas(run_dir: os.PathLike | str, shard_size: int) -> dict[int, str]:
+    """{replica: evidence} for every replica a rank of which left a death marker: a scheduled
+    kill (faults/fired.rank{g}.json), a hung-rank verdict (faults/hung.rank{g}.json) or an error
+    fail-stop (errors/rank{g}.json). Each of those ranks is SIGKILLed right after writing it."""
+    d = Path(run_dir)
+    out: dict[int, str] = {}
+    for sub, pat, what in (("faults", "fired.rank*.json", "scheduled kill"),
+                           ("faults", "hung.rank*.json", "hung"),
+                           (ERRORS_DIR, "rank*.json", "error")):
+        for p in sorted((d / sub).glob(pat)) if (d / sub).is_dir() else ():
+            try:
+                g = int(p.name.split("rank")[1].split(".")[0])
+            except (IndexError, ValueError):
+                continue
+            out.setdefault(g // max(1, int(shard_size)), f"{what} of rank {g}")
+    return out
+
+
+def reconcile_summary(run_dir: os.PathLike | str, shard_size: int) -> list[int]:
+    """Rewrite summary.json when a replica it lists as alive left a death marker (e.g. killed
+    after the last consensus: its peers committed the last step and wrote the summary before it
+    died). Its scheduled entries move from `unreached` to `fired`. Returns the replicas moved."""
+    from recover_hsdp.record.run import write_summary
+
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    dead = dead_replicas(run_dir, shard_size)
+    alive = list(summary.get("replicas_alive") or [])
+    moved = sorted(r for r in alive if r in dead)
+    if not moved:
+        return []
+    summary["replicas_alive"] = [r for r in alive if r not in moved]
+    if isinstance(summary.get("failures_survived"), int):
+        summary["failures_survived"] += len(moved)
+    faults = summary.get("faults") or {}
+    if isinstance(faults, dict) and faults.get("unreached"):
+        keep = []
+        for e in faults["unreached"]:
+            (faults.setdefault("fired", []) if e.get("replica") in moved else keep).append(e)
+        faults["unreached"] = keep
+    summary.setdefault("extra", {})["reconciled"] = {str(r): dead[r] for r in moved}
+    write_summary(run_dir, summary)
+    return moved

@@ -1,0 +1,269 @@
+"""`recover-hsdp chaos`: a soak of real training runs under random faults from outside.
+
+Each run is `recover-hsdp train` (the real launcher: hang watchdog, run-directory judgement) of
+`--steps` steps. An outside supervisor (this process) picks `--faults` distinct replicas (never
+all: down to one replica), and at random wall-clock moments while the run trains it does one of:
+
+* kill  - SIGKILL a random rank of the replica (a crash),
+* stop  - SIGSTOP it (a hang: only the launcher's watchdog can resolve it),
+* raise - SIGUSR1, which makes the rank's main thread raise InjectedFault (a Python error:
+          the rank must turn it into a fail-stop).
+
+A run passes when it ends within `--run-timeout` with every step committed, the faulted replicas
+reported lost, and `recover-hsdp verify` OK. Reported: runs, faults by kind, steps committed,
+hangs (runs that hit the bound: must be 0), and per kind the detection time (stop: watchdog
+verdict; raise: the rank's error record; kill: by construction ~0, ULFM sees it in ms) and the
+recovery time (inject -> the survivors' commit of the step that records the loss), median / max.
+
+    recover-hsdp chaos --runs 100 --steps 60 --replicas 3 --shard-size 1 --out runs/chaos
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+KINDS = ("kill", "stop", "raise")
+_SIG = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "raise": signal.SIGUSR1}
+
+SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.seq_len=32",
+         "parallel.micro_batch_size=2", "optim.warmup_steps=1", "run.save_params_every=10"]
+
+
+def _pids(run_dir: Path) -> dict[int, int]:
+    out = {}
+    d = run_dir / "ranks"
+    for f in d.glob("rank*.json") if d.is_dir() else ():
+        try:
+            h = json.loads(f.read_text())
+            out[int(h["rank"])] = int(h["pid"])
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
+def _committed(run_dir: Path) -> int:
+    d = run_dir / "steps"
+    if not d.is_dir():
+        return 0
+    best = 0
+    for f in d.glob("rank*.jsonl"):
+        try:
+            best = max(best, sum(1 for ln in f.read_text().splitlines() if ln.endswith("}")))
+        except OSError:
+            pass
+    return best
+
+
+def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
+    W, S, steps = args.replicas, rng.choice(args.shard_size), args.steps
+    run_dir = out / f"run{i:04d}"
+    n_faults = rng.randint(1, min(args.faults, W - 1)) if args.faults > 0 else 0
+    victims = rng.sample(range(W), n_faults)
+    kinds = [rng.choice(args.kinds) for _ in victims]
+    env = dict(os.environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
+    env.pop("OMPI_COMM_WORLD_RANK", None)
+    env.pop("RECOVER_HSDP_WORKER_FN", None)
+    cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", f"parallel.replicas={W}",
+           f"parallel.shard_size={S}", f"parallel.grad_accum={args.grad_accum}",
+           f"run.steps={steps}", f"run.output_dir={run_dir}", "run.overwrite=true",
+           f"run.hang_timeout_s={args.hang_timeout}", f"run.heartbeat_s={args.heartbeat}",
+           f"run.seed={i}", *SMALL, *args.overrides]
+    log = open(out / f"run{i:04d}.log", "w")
+    t0 = time.time()
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    faults: list[dict] = []
+    # the moments: spread over the steps after the first commit (a step count, turned into a
+    # wall-clock moment by waiting for that many commits plus a random fraction of a step)
+    marks = sorted(rng.uniform(1, steps * 0.8) for _ in victims)
+    hung = False
+    pending = list(zip(marks, victims, kinds))
+    last_n, last_t, step_s = 0, time.time(), 1.0
+    while p.poll() is None:
+        if time.time() - t0 > args.run_timeout:
+            hung = True
+            os.killpg(p.pid, signal.SIGKILL)
+            for pid in _pids(run_dir).values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            break
+        n = _committed(run_dir)
+        if n != last_n:
+            if last_n:
+                step_s = (time.time() - last_t) / max(1, n - last_n)
+            last_n, last_t = n, time.time()
+        if pending and n >= int(pending[0][0]):
+            mark, rep, kind = pending.pop(0)
+            time.sleep(rng.uniform(0, step_s))  # a random moment inside the step
+            g = rep * S + rng.randrange(S)
+            pid = _pids(run_dir).get(g)
+            if pid:
+                try:
+                    os.kill(pid, _SIG[kind])
+                    faults.append({"kind": kind, "rank": g, "replica": rep, "pid": pid,
+                                   "t": time.time(), "at_step": n})
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.05)
+    p.wait()
+    log.close()
+    res = {"run": i, "dir": str(run_dir), "rc": p.returncode, "hung": hung, "faults": faults,
+           "wall_s": time.time() - t0, "steps": steps, "replicas": W, "shard_size": S}
+    _judge(res, run_dir, W, S)
+    return res
+
+
+def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
+    from recover_hsdp.record import RecordError, read_run
+
+    try:
+        rec = read_run(run_dir)
+    except RecordError as e:
+        res.update(ok=False, reason=f"no run record: {e}", committed=0)
+        return
+    res["committed"] = len([s for s in rec.steps if 0 <= s < res["steps"]])
+    lost = {r for s in rec.steps.values() for f in s.failures for r in f.get("replicas", [])}
+    # times: when did the survivors commit the step recording each lost replica
+    for f in res["faults"]:
+        rep = f["replica"]
+        t_rec = None
+        for s in sorted(rec.steps):
+            if any(rep in ff.get("replicas", []) for ff in rec.steps[s].failures):
+                t_rec = min((float(v.get("time", 0)) for v in rec.local.get(s, {}).values()),
+                            default=None)
+                break
+        f["recovery_s"] = None if t_rec is None else t_rec - f["t"]
+        det = None
+        if f["kind"] == "stop":
+            h = run_dir / "faults" / f"hung.rank{f['rank']}.json"
+            if h.exists():
+                det = json.loads(h.read_text())["time"] - f["t"]
+        elif f["kind"] == "raise":
+            e = run_dir / "errors" / f"rank{f['rank']}.json"
+            if e.exists():
+                det = json.loads(e.read_text())["time"] - f["t"]
+        f["detection_s"] = det
+    stopped = {f["rank"] for f in res["faults"] if f["kind"] == "stop"}
+    hung_files = sorted((run_dir / "faults").glob("hung.rank*.json")) \
+        if (run_dir / "faults").is_dir() else []
+    res["false_detections"] = [int(p.name[len("hung.rank"):-len(".json")]) for p in hung_files
+                               if int(p.name[len("hung.rank"):-len(".json")]) not in stopped]
+    complete = res["committed"] == res["steps"]
+    missing = {f["replica"] for f in res["faults"]} - lost
+    ok = complete and not res["hung"] and not missing
+    reason = ""
+    if res["hung"]:
+        reason = "hung (run timeout)"
+    elif not complete:
+        reason = f"{res['committed']}/{res['steps']} steps committed"
+    elif missing:
+        reason = f"faulted replicas {sorted(missing)} not reported lost"
+    if ok:
+        from recover_hsdp.tools import verify
+
+        try:
+            with open(os.devnull, "w") as dn:
+                old = sys.stdout
+                sys.stdout = dn
+                try:
+                    v = int(verify.main([str(run_dir)]) or 0)
+                finally:
+                    sys.stdout = old
+        except Exception as e:  # noqa: BLE001
+            v, reason = 1, f"verify raised {e!r}"
+        if v != 0:
+            ok, reason = False, reason or f"verify exit {v}"
+    res.update(ok=ok, reason=reason, lost=sorted(lost))
+
+
+def _stats(xs: Sequence[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"median {statistics.median(xs):.2f} s, max {max(xs):.2f} s (n={len(xs)})"
+
+
+def report(results: list[dict]) -> str:
+    faults = [f for r in results for f in r["faults"]]
+    lines = [f"runs: {len(results)}, ok: {sum(r['ok'] for r in results)}, "
+             f"hangs: {sum(r['hung'] for r in results)}",
+             f"steps committed: {sum(r.get('committed', 0) for r in results)}/"
+             f"{sum(r['steps'] for r in results)}",
+             f"false hang detections: {sum(len(r.get('false_detections', [])) for r in results)}",
+             "faults: " + ", ".join(f"{k} {sum(f['kind'] == k for f in faults)}" for k in KINDS)]
+    for k in KINDS:
+        fk = [f for f in faults if f["kind"] == k]
+        if fk:
+            lines.append(f"  {k:5s} detection {_stats([f.get('detection_s') for f in fk])}; "
+                         f"recovery {_stats([f.get('recovery_s') for f in fk])}")
+    for r in results:
+        if not r["ok"]:
+            lines.append(f"  run {r['run']}: FAILED: {r['reason']} ({r['dir']})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="recover-hsdp chaos", description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--shard-size", default="1",
+                    help="shard size, or a comma list to draw from per run (e.g. 1,2)")
+    ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--faults", type=int, default=2, help="at most this many per run (< W)")
+    ap.add_argument("--kinds", default="kill,stop,raise")
+    ap.add_argument("--hang-timeout", type=float, default=5.0)
+    ap.add_argument("--heartbeat", type=float, default=1.0)
+    ap.add_argument("--run-timeout", type=float, default=900.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/chaos")
+    ap.add_argument("overrides", nargs="*", help="extra `recover-hsdp train` overrides")
+    args = ap.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    try:
+        args.shard_size = [int(x) for x in str(args.shard_size).split(",") if x]
+    except ValueError:
+        args.shard_size = []
+    if not args.shard_size or min(args.shard_size) < 1:
+        print("recover-hsdp chaos: --shard-size must be integers >= 1", file=sys.stderr)
+        return 2
+    bad = [k for k in args.kinds if k not in KINDS]
+    if bad or not args.kinds:
+        print(f"recover-hsdp chaos: --kinds must be from {','.join(KINDS)} (got {bad})",
+              file=sys.stderr)
+        return 2
+    if args.replicas < 2:
+        print("recover-hsdp chaos: --replicas must be >= 2", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    results = []
+    for i in range(args.runs):
+        r = one_run(i, args, out, rng)
+        results.append(r)
+        print(f"[chaos] run {i} (W={r['replicas']} S={r['shard_size']}): "
+              f"{'OK' if r['ok'] else 'FAILED: ' + r['reason']}; "
+              f"{r.get('committed', 0)}/{r['steps']} steps, faults "
+              f"{[(f['kind'], f['rank']) for f in r['faults']]}, {r['wall_s']:.0f} s", flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(r) + "\n")
+    text = report(results)
+    print(text, flush=True)
+    (out / "report.txt").write_text(text + "\n")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Issue 12: an exception in one rank is a fail-stop the survivors see; the same error on every
+rank ends the job with one line and a non-zero exit; a hung (SIGSTOPped) rank is found and killed
+by the launcher's watchdog. Real processes under `mpirun --with-ft ulfm`, time-boxed."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+from recover_hsdp.record import read_run
+from tests.e2e._launch import REPO, mpirun_prefix
+
+pytestmark = [pytest.mark.mpi]
+
+SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.seq_len=32",
+         "parallel.micro_batch_size=2", "run.save_params_every=1", "optim.warmup_steps=1"]
+
+
+def _loop(tmp: Path, W: int, S: int, rank: int, where: str, step: int, steps: int = 5,
+          timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    with serve_store() as addr:
+        env["RECOVER_HSDP_STORE"] = addr
+        cmd = mpirun_prefix(W * S) + [sys.executable, str(REPO / "tests/e2e/_raising_loop.py"),
+                                      str(tmp), str(W), str(S), str(rank), where, str(step),
+                                      str(steps)]
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            raise AssertionError(f"custom loop hung ({timeout} s):\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("S,where,rank", [(1, "microbatch_fn", 2), (2, "loss_fn", 3),
+                                          (1, "optimizer", 0)])
+def test_custom_loop_user_error_on_one_rank_is_a_fail_stop(tmp_path, S, where, rank):
+    W, steps = 3, 5
+    p = _loop(tmp_path, W, S, rank, where, step=2, steps=steps)
+    bad = rank // S
+    survivors = sorted(int(f.stem.split("rank")[1]) for f in tmp_path.glob("result.rank*.json"))
+    assert survivors == [g for g in range(W * S) if g // S != bad], p.stdout[-4000:]
+    for g in survivors:
+        r = json.loads((tmp_path / f"result.rank{g}.json").read_text())
+        assert r["steps"] == steps and bad not in r["alive"], r
+    err = json.loads((tmp_path / "errors" / f"rank{rank}.json").read_text())
+    assert err["where"] == where.replace("optimizer", "optimizer.step") and err["step"] == 2, err
+    assert (tmp_path / "errors" / f"rank{rank}.traceback.txt").exists()
+
+
+def _cli(*args, cwd: Path, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(REPO))
+    e.pop("OMPI_COMM_WORLD_RANK", None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("S", [1, 2])
+def test_trainer_loss_error_on_one_rank_is_survived_and_verified(tmp_path, S):
+    out = tmp_path / "run"
+    p = _cli("train", "parallel.replicas=3", f"parallel.shard_size={S}", "run.steps=5",
+             f"run.output_dir={out}", *SMALL, cwd=tmp_path,
+             env={"RECOVER_HSDP_WORKER_FN": "tests.e2e._raising_worker:run_worker",
+                  "RAISE_RANKS": str(S), "RAISE_CALL": "5"})  # replica 1, step 2
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rec = read_run(out)
+    assert rec.committed == list(range(5))
+    assert sorted(rec.summary["replicas_alive"]) == [0, 2]
+    assert json.loads((out / "errors" / f"rank{S}.json").read_text())["class"] == "ValueError"
+    v = _cli("verify", str(out), cwd=tmp_path)
+    assert v.returncode == 0, v.stdout[-3000:] + v.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cls,code", [("ValueError", 1), ("FileNotFoundError", 2)])
+def test_same_error_on_every_rank_is_one_line_and_nonzero(tmp_path, cls, code):
+    out = tmp_path / "run"
+    p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=4",
+             f"run.output_dir={out}", *SMALL, cwd=tmp_path,
+             env={"RECOVER_HSDP_WORKER_FN": "tests.e2e._raising_worker:run_worker",
+                  "RAISE_RANKS": "all", "RAISE_CALL": "3", "RAISE_CLASS": cls})
+    assert p.returncode == code, p.stdout[-4000:] + p.stderr[-4000:]
+    last = [ln for ln in p.stdout.splitlines() if ln.startswith("[recover-hsdp train]")][-1]
+    assert last.startswith("[recover-hsdp train] error: every replica failed with the same "
+                           f"error: {cls}: injected error in the loss"), p.stdout[-3000:]
+
+
+def _pids(run_dir: Path) -> dict[int, int]:
+    out = {}
+    for f in (run_dir / "ranks").glob("rank*.json"):
+        try:
+            d = json.loads(f.read_text())
+            out[int(d["rank"])] = int(d["pid"])
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("S,seed", [(1, 1), (2, 2)])
+def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
+    """SIGSTOP a random rank at a random wall-clock moment, from outside: the launcher's
+    watchdog SIGKILLs it, every step commits, verify passes, its replica is reported lost."""
+    rng = random.Random(seed)
+    out = tmp_path / "run"
+    W, steps = 3, 12
+    e = dict(os.environ, PYTHONPATH=str(REPO))
+    e.pop("OMPI_COMM_WORLD_RANK", None)
+    e.pop("RECOVER_HSDP_WORKER_FN", None)
+    p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
+                          f"parallel.replicas={W}", f"parallel.shard_size={S}",
+                          f"run.steps={steps}", f"run.output_dir={out}", "run.hang_timeout_s=3",
+                          "run.heartbeat_s=0.5", *SMALL], cwd=tmp_path, env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = rng.randrange(S, W * S)  # never the whole job; any replica but 0 for the check
+    t_stop = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        steps_dir = out / "steps"
+        n = max((len(f.read_text().splitlines()) for f in steps_dir.glob("rank*.jsonl")),
+                default=0) if steps_dir.is_dir() else 0
+        if n >= 3:
+            time.sleep(rng.uniform(0, 2.0))
+            pid = _pids(out).get(victim)
+            if pid:
+                os.kill(pid, signal.SIGSTOP)
+                t_stop = time.time()
+                break
+        time.sleep(0.2)
+    try:
+        stdout, _ = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert t_stop is not None, "never reached step 3"
+    assert p.returncode == 0, stdout[-4000:]
+    hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
+    assert hung["time"] - t_stop < 3 + 0.5 + 0.5 + 2.0, hung  # timeout + beat + poll + slack
+    rec = read_run(out)
+    assert rec.committed == list(range(steps))
+    assert victim // S not in rec.summary["replicas_alive"]
+    v = _cli("verify", str(out), cwd=tmp_path)
+    assert v.returncode == 0, v.stdout[-3000:] + v.stderr[-3000:]

@@ -1,0 +1,204 @@
+"""recover_hsdp.faults.failstop: error records, peer-failure wording, the launcher's one-line
+verdict, heartbeats and the hang watchdog (no MPI)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recover_hsdp.faults import failstop as fs
+
+
+@pytest.mark.parametrize("msg,peer", [
+    ("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234", True),
+    ("[../gloo/transport/tcp/pair.cc:598] Write error [127.0.0.1]:5: Broken pipe", True),
+    ("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1000ms for recv", True),
+    ("NCCL error: remote process exited or there was a network error", True),
+    ("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)", False),
+])
+def test_peer_failure_wording(msg, peer):
+    assert fs.is_peer_failure(RuntimeError(msg)) is peer
+    assert not fs.is_peer_failure(ValueError("Connection closed by peer? no: a user ValueError"))
+    assert fs.is_peer_failure(BrokenPipeError(32, "Broken pipe"))
+
+
+def test_peer_failure_through_the_cause_chain():
+    try:
+        try:
+            raise RuntimeError("Connection reset by peer")
+        except RuntimeError as inner:
+            raise KeyError("wrapped") from inner
+    except KeyError as e:
+        assert fs.is_peer_failure(e)
+
+
+def test_fail_stop_writes_one_line_and_traceback_then_kills(tmp_path, capsys):
+    fs.configure(tmp_path, rank=5, replica=2)
+    fs.set_context("loss_fn", 7)
+    killed = []
+    try:
+        raise ValueError("bad batch\nsecond line")
+    except ValueError as e:
+        fs.fail_stop(e, kill=lambda: killed.append(1))
+    assert killed == [1]
+    rec = json.loads((tmp_path / "errors" / "rank5.json").read_text())
+    assert rec["class"] == "ValueError" and rec["message"] == "bad batch second line"
+    assert (rec["where"], rec["step"], rec["replica"], rec["exit_code_hint"]) == ("loss_fn", 7, 2, 1)
+    assert "raise ValueError" in (tmp_path / "errors" / "rank5.traceback.txt").read_text()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rank 5: ValueError: bad batch second line in loss_fn at step 7" in err[0]
+
+
+def test_fail_stop_of_a_peer_failure_is_replica_lost(tmp_path, capsys):
+    fs.configure(tmp_path, rank=1, replica=0)
+    killed = []
+    fs.fail_stop(RuntimeError("Connection closed by peer"), kill=lambda: killed.append(1))
+    assert killed == [1] and not (tmp_path / "errors" / "rank1.json").exists()
+    assert "replica lost a member" in capsys.readouterr().err
+
+
+def test_run_failstop_nonzero_sys_exit(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fs, "fail_stop", lambda e, where=None, kill=None: seen.append(e))
+    with pytest.raises(SystemExit):
+        fs.run_failstop(lambda: sys.exit(3))
+    assert len(seen) == 1
+    with pytest.raises(SystemExit):
+        fs.run_failstop(lambda: sys.exit(0))
+    assert len(seen) == 1
+    assert fs.run_failstop(lambda x: x + 1, 1) == 2
+
+
+def _err(d, rank, replica, cls="ValueError", hint=1, t=0.0):
+    (d / "errors").mkdir(exist_ok=True)
+    (d / "errors" / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "replica": replica, "class": cls, "message": "boom", "where": "loss_fn",
+         "step": 3, "time": t, "exit_code_hint": hint}))
+
+
+def test_common_error_needs_every_replica_and_one_class(tmp_path):
+    assert fs.common_error(tmp_path, 2, 2) is None
+    _err(tmp_path, 0, 0)
+    assert fs.common_error(tmp_path, 2, 2) is None  # replica 1 trained on: not a common error
+    _err(tmp_path, 3, 1)
+    line, code = fs.common_error(tmp_path, 2, 2)
+    assert code == 1 and line.startswith("every replica failed with the same error: "
+                                         "ValueError: boom in loss_fn at step 3 (rank 0;")
+    assert "\n" not in line
+    _err(tmp_path, 2, 1, cls="KeyError", t=-1)
+    assert fs.common_error(tmp_path, 2, 2) is None  # the first error of replica 1 differs
+
+
+def test_common_config_error_is_exit_2(tmp_path):
+    _err(tmp_path, 0, 0, "FileNotFoundError", 2)
+    _err(tmp_path, 1, 1, "FileNotFoundError", 2)
+    assert fs.common_error(tmp_path, 2, 1)[1] == 2
+
+
+def test_heartbeat_and_watchdog_kill_a_stopped_process(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        hb = fs.Heartbeat(tmp_path, 4, period_s=0.1)
+        hb.beat()
+        rec = json.loads((tmp_path / "ranks" / "rank4.json").read_text())
+        rec["pid"] = p.pid  # the heartbeat of the child process, which we stop
+        (tmp_path / "ranks" / "rank4.json").write_text(json.dumps(rec))
+        p.send_signal(signal.SIGSTOP)
+        logs = []
+        wd = fs.HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.1, log=logs.append)
+        assert wd.poll(now=rec["time"] + 0.2) == []       # fresh: not hung
+        assert wd.poll(now=rec["time"] + 0.8) == [4]      # stale: SIGKILLed
+        p.wait(5)
+        assert p.returncode == -signal.SIGKILL
+        hung = json.loads((tmp_path / "faults" / "hung.rank4.json").read_text())
+        assert hung["rank"] == 4 and "no heartbeat" in hung["reason"] and logs
+        assert wd.poll(now=rec["time"] + 5) == []         # once
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_progress_timeout_respects_long_phases(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        hb = fs.Heartbeat(tmp_path, 0, period_s=0.1)
+        wd = fs.HangWatchdog(tmp_path, timeout_s=100, period_s=0.1, progress_timeout_s=1.0,
+                             log=lambda s: None)
+
+        def write(**kw):
+            hb.beat()
+            rec = json.loads(hb.path.read_text())
+            rec.update(pid=p.pid, **kw)
+            hb.path.write_text(json.dumps(rec))
+            return rec["time"]
+
+        t = write(phase="checkpoint save")
+        assert wd.poll(now=t) == [] and wd.poll(now=t + 5) == []   # announced: never a hang
+        t = write(phase=None)
+        assert wd.poll(now=t + 0.5) == []
+        assert wd.poll(now=t + 6) == [0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(5)
+
+
+def test_heartbeat_thread_beats(tmp_path):
+    hb = fs.Heartbeat(tmp_path, 1, period_s=0.05).start()
+    try:
+        t1 = json.loads(hb.path.read_text())["time"]
+        time.sleep(0.3)
+        assert json.loads(hb.path.read_text())["time"] > t1
+    finally:
+        hb.stop()
+
+
+def test_gate_bound_and_config():
+    from recover_hsdp.config import RunConfig, TrainConfigError
+
+    assert fs.gate_bound_s(5, 1) == 5 + 1 + fs.WATCH_POLL_S + fs.REPAIR_MARGIN_S
+    RunConfig()  # defaults are consistent: 60 > 11.5
+    RunConfig(hang_timeout_s=1.0, heartbeat_s=0.25, shard_timeout_s=10)
+    with pytest.raises(TrainConfigError, match="run.shard_timeout_s.*must exceed"):
+        RunConfig(shard_timeout_s=10)
+    with pytest.raises(TrainConfigError, match="hang_timeout_s"):
+        RunConfig(hang_timeout_s=1.0, heartbeat_s=1.0)
+    RunConfig(hang_timeout_s=None, shard_timeout_s=1)  # detector off: no bound to respect
+
+
+def test_reconcile_summary_with_the_dying_ranks_marker(tmp_path):
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "fired.rank3.json").write_text("{}")
+    entry = {"step": 9, "replica": 1, "local_rank": 1, "location": "optimizer_step"}
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"steps_committed": 10, "replicas_alive": [0, 1], "failures_survived": 0,
+         "faults": {"fired": [], "unreached": [entry], "pending": []}}))
+    assert fs.reconcile_summary(tmp_path, 2) == [1]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["replicas_alive"] == [0] and s["failures_survived"] == 1
+    assert s["faults"]["fired"] == [entry] and s["faults"]["unreached"] == []
+    assert s["extra"]["reconciled"] == {"1": "scheduled kill of rank 3"}
+    assert fs.reconcile_summary(tmp_path, 2) == []  # idempotent
+
+
+def test_sigusr1_raise_seam_becomes_a_fail_stop(tmp_path):
+    """What `recover-hsdp chaos` does to make a rank raise: the error is recorded, then the
+    process dies by SIGKILL (never a non-zero exit, which ULFM would not see)."""
+    code = ("import os, signal, time\n"
+            "from recover_hsdp.faults import failstop as fs\n"
+            f"fs.configure({str(tmp_path)!r}, rank=2, replica=1)\n"
+            "fs.install_hooks()\n"
+            "fs.set_context('loss_fn', 4)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "while True: time.sleep(0.01)\n")
+    env = dict(__import__("os").environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    rec = json.loads((tmp_path / "errors" / "rank2.json").read_text())
+    assert rec["class"] == "InjectedFault" and rec["step"] == 4
+    assert "rank 2: InjectedFault" in p.stderr
