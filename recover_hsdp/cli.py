@@ -12,7 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("recover_hsdp.train", "Hydra pre-training entry point"),
     "verify": ("recover_hsdp.tools.verify", "replay a run directory and compare parameters"),
     "report": ("recover_hsdp.tools.report", "plots and tables from run directories"),
-    "simulate": ("recover_hsdp.sim.cli", "effective training time at 1k-100k GPUs (simulation)"),
+    "simulate": ("recover_hsdp.tools.simulate", "effective training time at 1k-100k GPUs (simulation)"),
     "tokenizer": ("recover_hsdp.tools.tokenizer", "train a sentencepiece tokenizer on a corpus"),
     "corpus": ("recover_hsdp.tools.corpus", "build the embedded public-domain corpus"),
     "chaos": ("recover_hsdp.tools.chaos", "soak: random kills/hangs/errors from outside"),

@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.collectives",),
     ("recover_hsdp.policy",),
     ("recover_hsdp.recovery",),
-    ("recover_hsdp.data", "recover_hsdp.faults", "recover_hsdp.record", "recover_hsdp.optim"),
+    ("recover_hsdp.record",),                      # the run record: stdlib + torch only
+    ("recover_hsdp.data", "recover_hsdp.faults", "recover_hsdp.optim"),   # faults log to the record
     ("recover_hsdp.model",),                       # LLaMA + the FSDP wrap policy; reads data
     ("recover_hsdp.hsdp",),                        # FSDP plumbing, agreement, the manager
     ("recover_hsdp.launch",),                      # mpirun line, rank env, the store process

@@ -14,7 +14,7 @@ import pytest
 
 import recover_hsdp
 from recover_hsdp.policy import StaticWorldPolicy, plan
-from recover_hsdp.sim import cli
+from recover_hsdp.tools import simulate as cli
 from recover_hsdp.sim.calibrate import calibrate, validate_throughput
 from recover_hsdp.sim.costs import CostModel, Scenario, daly_ettr, daly_interval, stall_ettr
 from recover_hsdp.sim.engine import run_cr, run_inplace, run_stall
@@ -44,7 +44,7 @@ def test_sim_imports_no_torch_nor_lower_layers():
                 ok = (top in sys.stdlib_module_names or mod == "__future__" or
                       mod.startswith(ALLOWED) or top in ("matplotlib", "numpy"))
                 assert ok, f"{path.name} imports {mod}"
-    code = ("import sys, recover_hsdp.sim.cli, recover_hsdp.sim.calibrate; "
+    code = ("import sys, recover_hsdp.tools.simulate, recover_hsdp.sim.calibrate; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib') or "
             "m.startswith(('recover_hsdp.hsdp', 'recover_hsdp.recovery'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
