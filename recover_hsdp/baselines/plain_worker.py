@@ -223,7 +223,7 @@ def run_plain_worker(cfg: Any) -> int:
     events = EventLog(attempt_dir(run_dir, attempt) / f"events.rank{rank}.jsonl" if cr else None)
     events("launch_seen", t=t_launch)
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
-    from recover_hsdp.hsdp.trainer import rank_device
+    from recover_hsdp.hsdp.trainer import rank_device, step_resources
 
     device = rank_device(run.get("gpus_per_node"), S) or fh.local_device()
     mp = resolve_mixed_precision(str(par.get("mixed_precision") or "auto"), device)
@@ -386,7 +386,7 @@ def run_plain_worker(cfg: Any) -> int:
                          contributions={r: [(step * G + m) * W + r for m in range(G)]
                                         for r in range(W)},
                          divisor=B, extra={"skipped": True} if skipped else {},
-                         local={"wall_s": round(time.perf_counter() - t0, 6),
+                         local={"wall_s": round(time.perf_counter() - t0, 6), **step_resources(),
                                            "rank": rank, **({"attempt": attempt} if cr else {})})
         (steps_out.write(rec) if cr else recorder.commit(rec))
         if params.due(step):  # never a per-step copy (the writer copies the due ones)

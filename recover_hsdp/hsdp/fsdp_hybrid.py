@@ -42,7 +42,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 # Typed env knobs
 # --------------------------------------------------------------------------------------------
 #: torch minor versions whose FSDP1 internals were read and tested against this module.
-VERIFIED_TORCH: tuple[str, ...] = ("2.13",)
+VERIFIED_TORCH: tuple[str, ...] = ("2.11", "2.12", "2.13")
 #: "host:port" of a TCPStore served by the launcher (outside the training ranks).
 ENV_STORE = "RECOVER_HSDP_STORE"
 #: Seconds a shard-group collective may wait for a peer before raising (gloo's default is 30 min).
@@ -74,6 +74,11 @@ def check_torch_version(version: str | None = None) -> None:
         f"torch/distributed/fsdp/_runtime_utils.py::_reduce_grad and _init_utils.py (see "
         f"docs/hsdp.md), update VERIFIED_TORCH, or set {ENV_ALLOW_UNVERIFIED}=1 to override."
     )
+
+
+from recover_hsdp.hsdp._torch_compat import check_fsdp_internals  # noqa: E402
+
+check_fsdp_internals(UnsupportedTorchError)  # every private FSDP1 name used here, at import
 
 
 # --------------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def run_worker(cfg: Any) -> int:
                 print(f"recover-hsdp train: {e}", file=sys.stderr, flush=True)
             os._exit(1)
         tokens += mt.tokens
-        local = {"wall_s": round(mt.wall_s, 6), "rank": mgr.rank}
+        local = {"wall_s": round(mt.wall_s, 6), "rank": mgr.rank, **step_resources()}
         if mt.grad_norm is not None:
             local["grad_norm"] = mt.grad_norm
         recorder.commit(StepRecord(
@@ -197,6 +197,18 @@ def run_worker(cfg: Any) -> int:
 
 def meta_policy(c: Mapping) -> str:
     return str(c.get("policy", {}).get("name", "static"))
+
+
+def step_resources() -> dict:
+    """Commit time (unix s: commit-to-commit times), this process's peak host RSS and, on CUDA,
+    its peak GPU memory (MiB): what `bench gpu` reads from the step records."""
+    import resource
+
+    out = {"t": round(time.time(), 6),
+           "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
 
 
 def rank_device(gpus_per_node: Any, shard_size: int) -> torch.device | None:

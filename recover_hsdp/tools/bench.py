@@ -14,7 +14,7 @@ import recover_hsdp.tools as _tools
 
 
 # Whole experiments (tens of minutes, optional extras): run by name, not by `bench all`.
-EXPERIMENTS = ("paper", "peers")
+EXPERIMENTS = ("paper", "peers", "gpu")
 
 
 def available() -> list[str]:
