@@ -240,11 +240,13 @@ class NonFiniteGradError(RuntimeError):
 def grad_sq_norm(tensors: Iterable[Any]) -> Tuple[float, bool]:
     """(sum of squares in float64, any non-finite element) over ``tensors`` (None skipped).
 
-    One host sync for the whole list: the per-tensor partial sums stay on the device.
+    One host sync for the whole list: the per-tensor partial sums stay on the device, and no
+    float64 copy of a bucket is made (the norm kernel accumulates in float64).
     """
     import torch
 
-    parts = [t.detach().double().square().sum() for t in tensors if t is not None]
+    parts = [torch.linalg.vector_norm(t.detach(), 2, dtype=torch.float64).square()
+             for t in tensors if t is not None]
     if not parts:
         return 0.0, False
     sq = float(torch.stack(parts).sum()) if len(parts) > 1 else float(parts[0])

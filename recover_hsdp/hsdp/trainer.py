@@ -200,12 +200,11 @@ def meta_policy(c: Mapping) -> str:
 
 
 def step_resources() -> dict:
-    """Commit time (unix s: commit-to-commit times), this process's peak host RSS and, on CUDA,
-    its peak GPU memory (MiB): what `bench gpu` reads from the step records."""
+    """This process's peak host RSS and, on CUDA, its peak GPU memory (MiB), for the step record
+    (`bench gpu` reads them; the writer adds the commit time `local.time` itself)."""
     import resource
 
-    out = {"t": round(time.time(), 6),
-           "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}
+    out = {"rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return out

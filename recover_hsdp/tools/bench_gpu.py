@@ -129,7 +129,7 @@ def steps_of(run_dir: Path, rank: int = 0) -> list[dict]:
 
 def commit_times(recs: Sequence[dict]) -> list[float]:
     """Commit-to-commit seconds of steps 1.. (from the records' commit times)."""
-    ts = [r.get("local", {}).get("t") for r in recs]
+    ts = [r.get("local", {}).get("time") for r in recs]
     return [b - a for a, b in zip(ts, ts[1:]) if a is not None and b is not None]
 
 
@@ -302,7 +302,7 @@ class Bench:
         fired = sorted((run / "faults").glob("fired.rank*.json"))
         t_kill = json.loads(fired[0].read_text()).get("time") if fired else None
         by_step = {r["step"]: r for r in recs}
-        t = {s: r.get("local", {}).get("t") for s, r in by_step.items()}
+        t = {s: r.get("local", {}).get("time") for s, r in by_step.items()}
         normal = _median([t[s] - t[s - 1] for s in range(1, kill_step) if t.get(s) and t.get(s - 1)])
         if t_kill and t.get(kill_step):
             res["kill_to_commit_s"] = t[kill_step] - t_kill

@@ -178,7 +178,7 @@ def test_bench_gpu_flops_match_the_issue():
     fpt, n = model_flops_per_token("llama_1b", 2048)
     assert 0.95e9 < n < 1.0e9                      # "0.98 B parameters with the 4,096 vocab"
     assert 1.0e14 < fpt * 16384 < 1.2e14           # "~1.1e14 FLOP per step"
-    recs = [{"local": {"t": t}} for t in (10.0, 11.5, 13.0, 16.0)]
+    recs = [{"local": {"time": t}} for t in (10.0, 11.5, 13.0, 16.0)]
     assert commit_times(recs) == [1.5, 1.5, 3.0]
 
 
