@@ -14,7 +14,16 @@ ext_modules = []
 cmdclass = {}
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 if sources and os.environ.get("RECOVER_HSDP_SKIP_EXT") != "1":
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    try:  # the torch of THIS environment (pip install --no-build-isolation): _C links against it
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        sys.exit("recover_hsdp: building the C++ extension needs torch (2.11-2.13) installed in "
+                 "this environment first; then `pip install --no-build-isolation -e .` "
+                 "(an isolated build would compile against another torch)")
+    _tv = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if not (2, 11) <= _tv < (2, 14):
+        sys.exit(f"recover_hsdp: torch {torch.__version__} is outside the supported 2.11-2.13")
 
     prefix = sys.prefix
     mpi_include = os.path.join(prefix, "include")

@@ -107,6 +107,11 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   // debugFailNextData hook, or `rec` unchanged.
   FailureRecord dataDoneLocked(int rc, const char* call, FailureRecord rec);
   void maybeKill(KillPoint here);
+  // CUDA tensor, MPI not CUDA-aware: the all-reduce through a pinned host buffer, chunked and
+  // pipelined (device-to-host of every chunk queued on the current stream first; each chunk is
+  // reduced as soon as its copy is done and its host-to-device copy queued behind). Returns the
+  // MPI return code; on success the tensor holds the sum when this returns. Caller holds mu_.
+  int stagedAllreduceLocked(at::Tensor& tensor, MPI_Datatype type, MPI_Op op);
 
   mutable std::mutex mu_;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -123,6 +128,7 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   int64_t kill_delay_us_ = 0;
   bool fail_next_data_ = false;
   bool revoke_at_next_call_ = false;
+  at::Tensor stage_;  // pinned host staging buffer (bytes): allocated once, grown as needed
 };
 
 } // namespace recover_hsdp

@@ -97,10 +97,14 @@ class ParallelConfig:
     micro_batch_size: int = 4      # sequences per rank per microbatch
     seq_len: int = 128             # tokens per sequence (the authority; data.seq_len follows)
     global_batch: Optional[int] = None   # B in microbatches, if you want it checked; null = W*G
+    mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
                                           "micro_batch_size", "seq_len"))
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
+                                   f"auto, bf16 or fp32")
         if self.global_batch is not None and self.global_batch != self.replicas * self.grad_accum:
             raise TrainConfigError(
                 f"parallel.global_batch({self.global_batch}) is not reachable: every step sums "
@@ -157,6 +161,8 @@ class RunConfig:
     heartbeat_s: float = 1.0
     hang_timeout_s: Optional[float] = 5.0
     progress_timeout_s: Optional[float] = None  # also kill on no progress outside long phases
+    gpus_per_node: Optional[int] = None    # GPUs per node; ranks use cuda:(local rank % it),
+                                           # so several replicas may share one; null: all visible
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
@@ -167,6 +173,10 @@ class RunConfig:
                                    f"an integer >= 0 (0: initial and final parameters only)")
         if not _is_real(self.shard_timeout_s) or not self.shard_timeout_s > 0:
             raise TrainConfigError(f"run.shard_timeout_s({self.shard_timeout_s!r}) must be > 0")
+        if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node)
+                                               or self.gpus_per_node < 1):
+            raise TrainConfigError(f"run.gpus_per_node({self.gpus_per_node!r}) must be an "
+                                   f"integer >= 1 or null")
         if self.np is not None and (not _is_int(self.np) or self.np < 1):
             raise TrainConfigError(f"run.np({self.np!r}) must be an integer >= 1 or null")
         if self.time_limit_s is not None and (not _is_real(self.time_limit_s)

@@ -55,6 +55,8 @@ class OptimConfig:
     warmup_steps: int = 2               # linear warm-up steps; 0 = none
     min_lr_ratio: float = 0.1           # cosine floor, as a fraction of lr
     total_steps: Optional[int] = None   # cosine horizon; None = run.steps
+    grad_clip: Optional[float] = None   # clip the global gradient norm to this; None/0 = off
+    max_skipped_steps: int = 3          # stop after this many non-finite-gradient steps in a row
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -82,6 +84,15 @@ class OptimConfig:
             if self.warmup_steps > self.total_steps:
                 bad(f"warmup_steps({self.warmup_steps}) must be <= optim.total_steps"
                     f"({self.total_steps})")
+        if self.grad_clip is not None and (not _is_real(self.grad_clip) or self.grad_clip < 0):
+            bad(f"grad_clip({self.grad_clip!r}) must be a number >= 0 or null (0/null: off)")
+        if not _is_int(self.max_skipped_steps) or self.max_skipped_steps < 0:
+            bad(f"max_skipped_steps({self.max_skipped_steps!r}) must be an integer >= 0")
+
+    @property
+    def clip(self) -> Optional[float]:
+        """The clipping threshold, or None when clipping is off (grad_clip null or 0)."""
+        return float(self.grad_clip) if self.grad_clip else None
 
     @classmethod
     def from_mapping(cls, mapping: Any) -> "OptimConfig":
@@ -212,3 +223,52 @@ def set_lr(optimizer: Any, lr: float) -> None:
     """Set ``lr`` into every param group of ``optimizer``."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient clipping by global norm, and the non-finite guard (the manager, the baselines and the
+# verifier's replay all go through these, so a replay reproduces the run's clipping exactly)
+# --------------------------------------------------------------------------------------------
+#: Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does.
+CLIP_EPS = 1.0e-6
+
+
+class NonFiniteGradError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN/inf gradient (optim.max_skipped_steps)."""
+
+
+def grad_sq_norm(tensors: Iterable[Any]) -> Tuple[float, bool]:
+    """(sum of squares in float64, any non-finite element) over ``tensors`` (None skipped).
+
+    One host sync for the whole list: the per-tensor partial sums stay on the device, and no
+    float64 copy of a bucket is made (the norm kernel accumulates in float64).
+    """
+    import torch
+
+    parts = [torch.linalg.vector_norm(t.detach(), 2, dtype=torch.float64).square()
+             for t in tensors if t is not None]
+    if not parts:
+        return 0.0, False
+    sq = float(torch.stack(parts).sum()) if len(parts) > 1 else float(parts[0])
+    return sq, not math.isfinite(sq)
+
+
+def clip_coef(total_norm: float, max_norm: Optional[float]) -> float:
+    """The factor the gradients are multiplied by: min(1, max_norm / (norm + CLIP_EPS))."""
+    if not max_norm or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, float(max_norm) / (float(total_norm) + CLIP_EPS))
+
+
+def clip_grads_(tensors: Iterable[Any], max_norm: Optional[float]) -> Tuple[float, bool]:
+    """Clip ``tensors`` in place to global norm ``max_norm`` (one process holds the whole
+    gradient: the replay, a test). Returns (norm, non-finite); nothing is scaled when the norm is
+    not finite (the caller skips the step)."""
+    tensors = [t for t in tensors if t is not None]
+    sq, nonfinite = grad_sq_norm(tensors)
+    norm = math.sqrt(sq) if not nonfinite else float("inf")
+    coef = clip_coef(norm, max_norm)
+    if coef < 1.0:
+        for t in tensors:
+            t.mul_(coef)
+    return norm, nonfinite

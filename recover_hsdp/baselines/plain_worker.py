@@ -44,6 +44,7 @@ over a dedicated gloo group. At start every rank loads the newest COMPLETE check
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -124,13 +125,14 @@ class EventLog:
 # FSDP without the resilient machinery
 # ---------------------------------------------------------------------------------------------
 def wrap_plain(model: torch.nn.Module, shard_pg, replicate_pg, shard_size: int,
-               device: torch.device, auto_wrap_policy: Any):
-    """FSDP1 HYBRID_SHARD over (shard_pg, replicate_pg); NO_SHARD over replicate_pg when S=1."""
+               device: torch.device, auto_wrap_policy: Any, mixed_precision: Any = None):
+    """FSDP1 HYBRID_SHARD over (shard_pg, replicate_pg); NO_SHARD over replicate_pg when S=1.
+    mixed_precision: an FSDP MixedPrecision (the resilient trainer's, for a like-for-like arm)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
     common = dict(auto_wrap_policy=auto_wrap_policy, device_id=device, use_orig_params=True,
-                  sync_module_states=False)
+                  sync_module_states=False, mixed_precision=mixed_precision)
     if shard_size > 1:
         return FSDP(model, process_group=(shard_pg, replicate_pg),
                     sharding_strategy=ShardingStrategy.HYBRID_SHARD, **common)
@@ -220,7 +222,11 @@ def run_plain_worker(cfg: Any) -> int:
     replica, shard_index = topo.replica, topo.shard_index
     events = EventLog(attempt_dir(run_dir, attempt) / f"events.rank{rank}.jsonl" if cr else None)
     events("launch_seen", t=t_launch)
-    device = fh.local_device()
+    from recover_hsdp.hsdp.manager import resolve_mixed_precision
+    from recover_hsdp.hsdp.trainer import rank_device, step_resources
+
+    device = rank_device(run.get("gpus_per_node"), S) or fh.local_device()
+    mp = resolve_mixed_precision(str(par.get("mixed_precision") or "auto"), device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     shard_pg = fh.new_shard_groups(topo, backend=backend, timeout_s=timeout_s)
     replicate_pg = None
@@ -239,7 +245,8 @@ def run_plain_worker(cfg: Any) -> int:
     model_cfg = model_config(c["model"], tok.vocab_size)
     optim_cfg = optim_config(c.get("optim", {}), steps)
     model = build_model(model_cfg, seed=seed)
-    module = wrap_plain(model, shard_pg, replicate_pg, S, device, fsdp_wrap_policy())
+    module = wrap_plain(model, shard_pg, replicate_pg, S, device, fsdp_wrap_policy(),
+                        mixed_precision=fh.bf16_mixed_precision() if mp == "bf16" else None)
     optimizer = build_optimizer(module.named_parameters(), optim_cfg)
     source = build_microbatch_source(data_cfg, replica, W)
     mbs = int(par["micro_batch_size"])
@@ -335,6 +342,7 @@ def run_plain_worker(cfg: Any) -> int:
     t_start = time.perf_counter()
     tokens = 0
     loss = float("nan")
+    skipped_in_a_row = 0
     for step in range(start, steps):
         t0 = time.perf_counter()
         reduce_points.step = step
@@ -356,7 +364,19 @@ def run_plain_worker(cfg: Any) -> int:
         lr = float(lr_at(step, optim_cfg))
         for grp in optimizer.param_groups:
             grp["lr"] = lr
-        optimizer.step()
+        # global norm after the reduction (FSDP all-reduces it on the shard group; replicas hold
+        # the same grads); max_norm inf when clipping is off: a factor of exactly 1, and the norm
+        # still tells a non-finite gradient, whose step is skipped as the resilient trainer does
+        gnorm = float(module.clip_grad_norm_(optim_cfg.clip or float("inf")))
+        skipped = not math.isfinite(gnorm)
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
+            optimizer.step()
+        elif skipped_in_a_row > optim_cfg.max_skipped_steps:
+            print(f"recover-hsdp train: {skipped_in_a_row} optimizer steps in a row (up to step "
+                  f"{step}) had a NaN/inf gradient: stopping (optim.max_skipped_steps="
+                  f"{optim_cfg.max_skipped_steps})", file=sys.stderr, flush=True)
+            os._exit(1)
         injector.check("optimizer_step", step)
         # the step loss as the resilient trainer reports it: sum over ranks of loss/S, over B
         dist.all_reduce(local_loss)
@@ -365,11 +385,12 @@ def run_plain_worker(cfg: Any) -> int:
         rec = StepRecord(step=step, loss=loss, tokens=tokens_per_step, alive=list(range(W)),
                          contributions={r: [(step * G + m) * W + r for m in range(G)]
                                         for r in range(W)},
-                         divisor=B, local={"wall_s": round(time.perf_counter() - t0, 6),
+                         divisor=B, extra={"skipped": True} if skipped else {},
+                         local={"wall_s": round(time.perf_counter() - t0, 6), **step_resources(),
                                            "rank": rank, **({"attempt": attempt} if cr else {})})
         (steps_out.write(rec) if cr else recorder.commit(rec))
-        params.save(step, {f"flat{i}": t.detach().cpu().clone()
-                           for i, t in enumerate(fh.local_flat_shards(module))})
+        if params.due(step):  # never a per-step copy (the writer copies the due ones)
+            params.save(step, {f"flat{i}": t for i, t in enumerate(fh.local_flat_shards(module))})
         if is_logger and (step % int(run.get("log_every", 1) or 1) == 0 or step == steps - 1):
             el = time.perf_counter() - t_start
             print(f"step {step:5d}  loss {loss:7.4f}  tok/s {tokens / el:9.0f}  "

@@ -13,8 +13,9 @@ import pkgutil
 import sys
 
 # Whole experiments (tens of minutes, optional extras): run by name, not by `bench all`.
-EXPERIMENTS = ("paper", "peers")
+
 HARNESS = "harness"
+EXPERIMENTS = ("paper", "peers", "gpu")
 
 
 def available() -> list[str]:

@@ -29,6 +29,7 @@ __all__ = [
     "UlfmGroup",
     "UlfmResult",
     "UlfmUnavailableError",
+    "cuda_aware_mpi",
     "elect",
     "exit_on_unavailable",
     "register_backend",
@@ -40,6 +41,13 @@ __all__ = [
 
 _LAZY = {"UlfmGroup", "UlfmResult", "elect", "ulfm_allreduce", "ulfm_barrier", "ulfm_broadcast",
          "ulfm_consensus"}
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether the MPI the extension was built against passes CUDA pointers (no host staging)."""
+    from recover_hsdp.collectives import _ext
+
+    return bool(_ext.load().cuda_aware_mpi())
 
 
 def __getattr__(name: str):

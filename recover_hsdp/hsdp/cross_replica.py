@@ -66,6 +66,8 @@ class ReplicaResult(FailureRecord):
     reduce_failed: bool = False
     contributed: tuple[int, ...] = ()  # per surviving replica (ascending id), from the collective
     loss_sums: tuple[float, ...] = ()  # per surviving replica: sum of its kept microbatch losses
+    grad_sq_norm: float = 0.0  # squared global norm of the reduced gradient (see set_grad_stats)
+    grad_nonfinite: bool = False  # NaN/inf in some rank's reduced gradient
 
 
 class HSDPCrossReplicaGroup:
@@ -151,6 +153,29 @@ class HSDPCrossReplicaGroup:
         """This rank's share of its replica's kept-loss sum (carried by the consensus)."""
         self._loss_sum = float(x)
 
+    # --- gradient statistics carried by the consensus vector (issue 13) -------------------
+    #: extra slots at the END of the consensus vector: [sum of squared norms, non-finite count]
+    GRAD_STAT_SLOTS = 2
+
+    def set_grad_stats(self, sq_norm: float, nonfinite: bool) -> None:
+        """This rank's squared norm of its reduced gradient shards and a NaN/inf flag.
+
+        Summed over all ranks by the consensus allreduce: every replica holds the same reduced
+        shards, so the sum over ranks divided by the live replicas is the global squared norm
+        (shards of one replica partition the parameters). No extra collective.
+        """
+        self._grad_sq = 0.0 if nonfinite else float(sq_norm)
+        self._grad_nonfinite = bool(nonfinite)
+
+    def _grad_stats_into(self, vec: torch.Tensor) -> None:
+        vec[-2] = getattr(self, "_grad_sq", 0.0)
+        vec[-1] = 1.0 if getattr(self, "_grad_nonfinite", False) else 0.0
+
+    def _grad_stats_from(self, vec: torch.Tensor, n_ranks: int) -> dict:
+        replicas = max(1, n_ranks // self.S)
+        return {"grad_sq_norm": float(vec[-2].item()) / replicas,
+                "grad_nonfinite": bool(vec[-1].item() > 0)}
+
     def begin_pass(self) -> None:
         """Start of a bucket pass (after a microbatch loop or before a blocking re-reduce)."""
         self._clean = True
@@ -215,8 +240,9 @@ class HSDPCrossReplicaGroup:
         contributed = {r: int(round(vec[1 + r].item() / self.S)) for r in self.alive
                        if r not in failed_replicas}
         losses = {r: float(vec[1 + w + r].item()) for r in contributed}
+        gstats = self._grad_stats_from(vec, n)
         if not failed_replicas and self.world.epoch == epoch_before:
-            return ReplicaResult(ok=True, epoch=self.epoch, all_clean=all_clean,
+            return ReplicaResult(ok=True, epoch=self.epoch, all_clean=all_clean, **gstats,
                                  census=RoleCensus.of(self._roles.values()),
                                  roles=tuple(self._roles[r] for r in self.alive),
                                  contributed=tuple(contributed[r] for r in self.alive),
@@ -230,7 +256,7 @@ class HSDPCrossReplicaGroup:
             ok=False, failed_ranks=tuple(sorted(failed_ranks)), epoch=self.epoch,
             census=RoleCensus.of(new_roles[r] for r in self.alive), contrib=contrib,
             at_boundary=at_boundary, roles=tuple(new_roles[r] for r in self.alive),
-            failed_replicas=tuple(failed_replicas), all_clean=all_clean,
+            failed_replicas=tuple(failed_replicas), all_clean=all_clean, **gstats,
             contributed=tuple(contributed[r] for r in self.alive),
             loss_sums=tuple(losses[r] for r in self.alive))
 
@@ -243,10 +269,11 @@ class HSDPCrossReplicaGroup:
         [1 + W + r] replica r's kept-loss sum (its S ranks add their shares).
         """
         w = self.w_init
-        vec = torch.zeros(1 + 2 * w, dtype=torch.float64)
+        vec = torch.zeros(1 + 2 * w + self.GRAD_STAT_SLOTS, dtype=torch.float64)
         vec[0] = 1.0 if self._clean else 0.0
         vec[1 + self.replica] = float(self._contributed)
         vec[1 + w + self.replica] = self._loss_sum
+        self._grad_stats_into(vec)  # [1 + 2W ...]: squared grad norm, non-finite flag
         return vec
 
     # --- internals ------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class _FaultPoints:
         return self._g.allreduce(tensor)
 
     def consensus(self):
+        self._mgr._set_grad_stats()  # the reduced buckets' norm and NaN/inf flag ride the vector
         res = self._g.consensus()
         if not res.ok:
             self._mgr._failure_handled = True
@@ -77,6 +78,8 @@ class StepMetrics:
     divisor: int
     epoch: int
     wall_s: float
+    grad_norm: Optional[float] = None  # global norm of the divided gradient, before clipping
+    skipped: bool = False              # non-finite gradient: no optimizer update this step
 
 
 class HSDPULFMTrainingManager:
@@ -89,6 +92,12 @@ class HSDPULFMTrainingManager:
     loss_fn(module, inputs, targets) -> the MEAN loss over the given rows (the manager scales it by
     1/S so the S ranks of a replica add up to the microbatch mean).
     lr_fn(step) -> lr, optional; set into every param group before each optimizer step.
+    mixed_precision: "auto" (bf16 compute on CUDA, fp32 on CPU), "bf16", "fp32", None (= fp32)
+    or an FSDP MixedPrecision (it must reduce in fp32: fsdp_hybrid.bf16_mixed_precision).
+    grad_clip: clip the global gradient norm (after the cross-replica reduction and / B) to this;
+    None or 0: off. A step whose reduced gradient holds NaN/inf (on any rank) is committed without
+    an optimizer update (metrics.skipped; its microbatches are consumed); more than
+    max_skipped_steps such steps in a row raise optim.NonFiniteGradError on every rank.
     """
 
     def __init__(self, model: nn.Module, *, optimizer_factory: Callable[[nn.Module], Any],
@@ -101,7 +110,10 @@ class HSDPULFMTrainingManager:
                  failure_schedule=None, recorder=None,
                  restore_enabled: bool = True,
                  shard_timeout_s: Optional[float] = None,
-                 log: Optional[Callable[[str], None]] = None):
+                 log: Optional[Callable[[str], None]] = None,
+                 mixed_precision: Any = "auto",
+                 grad_clip: Optional[float] = None,
+                 max_skipped_steps: int = 3):
         fh.check_torch_version()
         if not dist.is_initialized():
             fh.init_distributed_from_env(backend="gloo")
@@ -116,8 +128,18 @@ class HSDPULFMTrainingManager:
         self.device = device or fh.local_device()
         self.shard_pg = fh.new_shard_groups(self.topo, timeout_s=shard_timeout_s)
         self.world = UlfmGroup.world()
-        self.module = fh.wrap_hybrid_shard(model, self.shard_pg, auto_wrap_policy=auto_wrap_policy,
-                                           device=self.device, topology=self.topo)
+        self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
+        self.module = fh.wrap_hybrid_shard(
+            model, self.shard_pg, auto_wrap_policy=auto_wrap_policy, device=self.device,
+            topology=self.topo,
+            mixed_precision=fh.bf16_mixed_precision() if self.mixed_precision == "bf16" else (
+                None if self.mixed_precision == "fp32" else mixed_precision))
+        self.grad_clip = float(grad_clip) if grad_clip else None
+        self.max_skipped_steps = int(max_skipped_steps)
+        self.skipped_in_a_row = 0
+        self._buckets: list[torch.Tensor] = []
+        #: called right before each optimizer step (e.g. wait for a parameter snapshot's copy)
+        self.before_optimizer_step: Optional[Callable[[], None]] = None
         self.optimizer = optimizer_factory(self.module)
         self.acc = fh.MicrobatchAccumulator(self.module)
         if policy == "static":
@@ -170,6 +192,12 @@ class HSDPULFMTrainingManager:
                                         before_kill=before_kill, verbose=True)
 
     # --- helpers --------------------------------------------------------------------------
+    def _set_grad_stats(self) -> None:
+        from recover_hsdp.optim import grad_sq_norm
+
+        sq, nonfinite = grad_sq_norm(self._buckets)
+        self.cross.set_grad_stats(sq, nonfinite)
+
     def _shard_barrier(self) -> None:
         if self.S > 1:
             dist.barrier(group=self.shard_pg)
@@ -249,6 +277,7 @@ class HSDPULFMTrainingManager:
             self.cross.set_loss_sum(loss_sum)
             # the deferred cross-replica reduction: after the loop, never inside backward
             buckets = fh.grad_shards(self.module)
+            self._buckets = buckets
             self._bucket_index = {t.data_ptr(): i for i, t in enumerate(buckets)}
             for t in buckets:
                 orch.enqueue_bucket(t)
@@ -262,16 +291,32 @@ class HSDPULFMTrainingManager:
         # commit: the divisor is fixed (B for the static policy), never the live world size
         self.injector.check("pre_step", step)
         divisor = pol.divisor()
+        res = self.cross.last_result
+        skipped = bool(res.grad_nonfinite)
+        grad_norm = (res.grad_sq_norm ** 0.5) / divisor if not skipped else float("inf")
+        from recover_hsdp.optim import clip_coef
+
+        coef = clip_coef(grad_norm, self.grad_clip)
         with torch.no_grad():
             for t in buckets:
                 t.div_(divisor)
+                if coef < 1.0:
+                    t.mul_(coef)
         if self.lr_fn is not None:
             lr = float(self.lr_fn(step))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-        failstop.set_context("optimizer.step", step)
-        self.optimizer.step()
-        failstop.set_context(None)
+        if skipped:
+            self.skipped_in_a_row += 1
+            self.log(f"step {step}: non-finite gradient: optimizer update skipped "
+                     f"({self.skipped_in_a_row} in a row)")
+        else:
+            self.skipped_in_a_row = 0
+            if self.before_optimizer_step is not None:
+                self.before_optimizer_step()
+            failstop.set_context("optimizer.step", step)
+            self.optimizer.step()
+            failstop.set_context(None)
         self.injector.check("optimizer_step", step)
         layout = pol.layout.as_dict()
         alive = list(pol.alive)
@@ -283,7 +328,6 @@ class HSDPULFMTrainingManager:
         self.failures_survived += sum(len(f.get("replicas", ())) for f in failures)
         # loss: the agreed per-replica kept-loss sums of the final consensus, over the replicas
         # that contributed (a case-(b) dead replica's share is committed but its loss is unknown)
-        res = self.cross.last_result
         num = den = 0.0
         for r, ls in zip(self.cross.alive, res.loss_sums):
             if contributions.get(r):
@@ -295,7 +339,27 @@ class HSDPULFMTrainingManager:
             tokens=n_committed * (self._tokens_per_mb or 0), alive=alive, layout=layout,
             boundary=boundary, restore_modes=modes, failures=failures,
             contributions={int(r): list(v) for r, v in contributions.items()},
-            divisor=divisor, epoch=self.cross.epoch, wall_s=time.perf_counter() - t0)
+            divisor=divisor, epoch=self.cross.epoch, wall_s=time.perf_counter() - t0,
+            grad_norm=grad_norm, skipped=skipped)
         orch.after_successful_commit()
         self.step += 1
+        if skipped and self.skipped_in_a_row > self.max_skipped_steps:
+            from recover_hsdp.optim import NonFiniteGradError
+
+            raise NonFiniteGradError(
+                f"{self.skipped_in_a_row} optimizer steps in a row (up to step {step}) had a "
+                f"NaN/inf gradient: stopping (optim.max_skipped_steps={self.max_skipped_steps})")
         return metrics
+
+
+def resolve_mixed_precision(mp: Any, device: torch.device) -> Any:
+    """"auto" -> "bf16" on CUDA, "fp32" elsewhere; None -> "fp32"; a MixedPrecision as is."""
+    if mp is None:
+        return "fp32"
+    if isinstance(mp, str):
+        if mp == "auto":
+            return "bf16" if torch.device(device).type == "cuda" else "fp32"
+        if mp in ("bf16", "fp32"):
+            return mp
+        raise ValueError(f"mixed_precision must be auto, bf16 or fp32 (got {mp!r})")
+    return mp

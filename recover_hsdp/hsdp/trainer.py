@@ -31,7 +31,7 @@ def run_worker(cfg: Any) -> int:
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
     from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
-    from recover_hsdp.optim import build_optimizer, lr_at
+    from recover_hsdp.optim import NonFiniteGradError, build_optimizer, lr_at
     from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
 
     c = plain_config(cfg)
@@ -62,13 +62,16 @@ def run_worker(cfg: Any) -> int:
     def loss_fn(module, x, y):
         return next_token_loss(module(x), y, tokens_per_microbatch=tpm)
 
+    device = rank_device(run.get("gpus_per_node"), S)
     mgr = HSDPULFMTrainingManager(
         model, optimizer_factory=lambda m: build_optimizer(m.named_parameters(), optim_cfg),
         microbatch_fn=microbatch_fn, loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
         auto_wrap_policy=fsdp_wrap_policy(), policy=str(c.get("policy", {}).get("name", "static")),
         lr_fn=lambda step: lr_at(step, optim_cfg),
         restore_enabled=bool(c.get("debug", {}).get("restore_enabled", True)),
-        shard_timeout_s=run.get("shard_timeout_s"))
+        shard_timeout_s=run.get("shard_timeout_s"), device=device,
+        mixed_precision=str(par.get("mixed_precision") or "auto"),
+        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps)
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
         W, S, G, n_buckets, steps=steps, base_dir=None)
@@ -89,25 +92,38 @@ def run_worker(cfg: Any) -> int:
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
             "restore_enabled": mgr.restore_enabled, "processes_per_replica": S,
+            "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
+            else "custom", "device": str(mgr.device),
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
     recorder.start(meta, c, schedule)
-    recorder.save_initial_params(_shards(mgr))
+    snaps = ParamSnapshots(mgr, recorder)
+    mgr.before_optimizer_step = snaps.before_optimizer_step
+    snaps.save_initial()
     log_every = int(run.get("log_every", 1) or 1)
     t_start = time.perf_counter()
     tokens = 0
     last = None
     tb = None  # TensorBoard writer of the current logging rank, when tensorboard is installed
     for step in range(steps):
-        mt = mgr.train_step()
+        try:
+            mt = mgr.train_step()
+        except NonFiniteGradError as e:
+            snaps.close()
+            if _is_logger(mgr):
+                print(f"recover-hsdp train: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
         tokens += mt.tokens
+        local = {"wall_s": round(mt.wall_s, 6), "rank": mgr.rank, **step_resources(),
+                 "bucket_epochs": mgr.orch.bucket_epochs()}
+        if mt.grad_norm is not None:
+            local["grad_norm"] = mt.grad_norm
         recorder.commit(StepRecord(
             step=mt.step, loss=mt.loss, tokens=mt.tokens, alive=mt.alive, layout=mt.layout,
             boundary=mt.boundary,
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
             failures=mt.failures, contributions=mt.contributions, divisor=mt.divisor,
-            epoch=mt.epoch, local={"wall_s": round(mt.wall_s, 6), "rank": mgr.rank,
-                                   "bucket_epochs": mgr.orch.bucket_epochs()}))
-        recorder.save_params(mt.step, _shards(mgr))
+            epoch=mt.epoch, extra={"skipped": True} if mt.skipped else {}, local=local))
+        snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
         last = mt
         if _is_logger(mgr):
             tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
@@ -125,6 +141,7 @@ def run_worker(cfg: Any) -> int:
             el = time.perf_counter() - t_start
             print(f"step {mt.step:5d}  loss {mt.loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"alive {len(mgr.policy.alive)}/{W}  G {mgr.policy.layout.g}{ev}", flush=True)
+    snaps.close()
     wall = time.perf_counter() - t_start
     summary = RunSummary(
         steps_committed=mgr.step, first_step=0, last_step=mgr.step - 1, replicas_initial=W,
@@ -147,10 +164,124 @@ def meta_policy(c: Mapping) -> str:
     return str(c.get("policy", {}).get("name", "static"))
 
 
-def _shards(mgr) -> dict[str, torch.Tensor]:
-    from recover_hsdp.hsdp import fsdp_hybrid as fh
+def step_resources() -> dict:
+    """This process's peak host RSS and, on CUDA, its peak GPU memory (MiB), for the step record
+    (`bench gpu` reads them; the writer adds the commit time `local.time` itself)."""
+    import resource
 
-    return {f"flat{i}": t.detach().cpu().clone() for i, t in enumerate(fh.local_flat_shards(mgr.module))}
+    out = {"rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
+
+
+def rank_device(gpus_per_node: Any, shard_size: int) -> torch.device | None:
+    """The device of this rank: cuda:(local rank % gpus_per_node) when CUDA is available.
+
+    gpus_per_node: GPUs this node lends to the job (null: every visible one). Several ranks may
+    share one GPU (a one-GPU machine runs several replicas), but the S ranks of one replica must
+    sit on S distinct GPUs: NCCL refuses two ranks of one communicator on one device.
+    None on CPU (the manager then picks cpu).
+    """
+    if not torch.cuda.is_available():
+        return None
+    n = torch.cuda.device_count()
+    g = int(gpus_per_node) if gpus_per_node else n
+    if not 1 <= g <= n:
+        raise ValueError(f"run.gpus_per_node({gpus_per_node}) must be in 1..{n} (visible GPUs)")
+    if shard_size > 1 and g < shard_size:
+        raise ValueError(f"run.gpus_per_node({g}) < parallel.shard_size({shard_size}): the ranks "
+                         f"of one replica need distinct GPUs (NCCL refuses two on one device)")
+    local = 0
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"):
+        if os.environ.get(name) is not None:
+            local = int(os.environ[name])
+            break
+    dev = torch.device("cuda", local % g)
+    torch.cuda.set_device(dev)
+    return dev
+
+
+class ParamSnapshots:
+    """The verifier's parameter snapshots, taken only for the steps the recorder says are due.
+
+    Never a copy per step. On CUDA the copy goes to pinned host buffers (allocated once) on a
+    side stream, ordered after the committed optimizer step by an event, and the file is written
+    by a background thread; the next optimizer step waits (on the device, not the host) for the
+    copy to finish before it may change the parameters. On CPU: a plain copy and write.
+    """
+
+    def __init__(self, mgr, recorder):
+        from recover_hsdp.hsdp import fsdp_hybrid as fh
+
+        self.mgr, self.recorder = mgr, recorder
+        self._shards = lambda: fh.local_flat_shards(mgr.module)
+        self.cuda = mgr.device is not None and torch.device(mgr.device).type == "cuda"
+        self._host: list[torch.Tensor] = []
+        self._stream = torch.cuda.Stream(device=mgr.device) if self.cuda else None
+        self._done = None          # event: the last copy finished
+        self._thread = None
+        self.copies = 0            # snapshots taken (tests: == the due steps, never per step)
+
+    def due(self, step: int) -> bool:
+        return self.recorder.params.due(step)
+
+    def save_initial(self) -> None:
+        self._take(-1, force=True)
+
+    def before_optimizer_step(self) -> None:
+        # the parameters may change only after the copy of the last snapshot has finished: a
+        # device-side wait (the host does not block), on the optimizer's stream
+        if self._done is not None:
+            torch.cuda.current_stream(self.mgr.device).wait_event(self._done)
+            self._done = None
+
+    def after_commit(self, step: int) -> None:
+        if self.due(step):
+            self._take(step)
+
+    def _take(self, step: int, force: bool = False) -> None:
+        self.copies += 1
+        src = self._shards()
+        if not self.cuda:
+            # the writer copies them (a view of FSDP's flat parameter is cloned there)
+            self._write(step, {f"flat{i}": t for i, t in enumerate(src)}, force)
+            return
+        self._join()  # the buffers are reused: the previous write must be done
+        if len(self._host) != len(src) or any(h.numel() != t.numel() or h.dtype != t.dtype
+                                              for h, t in zip(self._host, src)):
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in src]
+        self._stream.wait_stream(torch.cuda.current_stream(self.mgr.device))
+        with torch.cuda.stream(self._stream):
+            for h, t in zip(self._host, src):
+                h.copy_(t.detach(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._done = done
+        import threading
+
+        host = {f"flat{i}": h for i, h in enumerate(self._host)}
+
+        def write():
+            done.synchronize()
+            self._write(step, host, force)
+
+        self._thread = threading.Thread(target=write, name=f"snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, tensors: dict, force: bool) -> None:
+        if step == -1:
+            self.recorder.save_initial_params(tensors)
+        else:
+            self.recorder.save_params(step, tensors, force=force)
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        self._join()
 
 
 def _tensorboard(run_dir: Path, rank: int):

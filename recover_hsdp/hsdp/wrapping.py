@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from recover_hsdp.hsdp.topology import HybridTopology
 
 #: torch minor versions whose FSDP1 internals were read and tested against this module.
-VERIFIED_TORCH: tuple[str, ...] = ("2.13",)
+VERIFIED_TORCH: tuple[str, ...] = ("2.11", "2.12", "2.13")
 #: Set to 1 to run on an unverified torch anyway (you own the consequences).
 ENV_ALLOW_UNVERIFIED = "RECOVER_HSDP_ALLOW_UNVERIFIED_TORCH"
 
@@ -52,6 +52,11 @@ def check_torch_version(version: str | None = None) -> None:
         f"torch/distributed/fsdp/_runtime_utils.py::_reduce_grad and _init_utils.py (see "
         f"docs/hsdp.md), update VERIFIED_TORCH, or set {ENV_ALLOW_UNVERIFIED}=1 to override."
     )
+
+
+from recover_hsdp.hsdp._torch_compat import check_fsdp_internals  # noqa: E402
+
+check_fsdp_internals(UnsupportedTorchError)  # every private FSDP1 name used here, at import
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,8 +68,9 @@ class ParamWriter:
         payload = {
             "format": FORMAT, "step": step, "shard_index": self.shard_index,
             "replica": self.replica, "global_rank": self.global_rank,
-            # clone: a view would drag its whole storage (e.g. FSDP's flat parameter) into the file
-            "tensors": {str(k): v.detach().to("cpu").clone() for k, v in tensors.items()},
+            # clone: a view would drag its whole storage (e.g. FSDP's flat parameter) into the
+            # file; a CPU tensor that owns exactly its storage (a snapshot buffer) is saved as is
+            "tensors": {str(k): _own(v) for k, v in tensors.items()},
         }
         buf = io.BytesIO()
         torch.save(payload, buf)
@@ -80,6 +81,14 @@ class ParamWriter:
 
     def save_initial(self, tensors: Mapping[str, "object"]) -> Path | None:
         return self.save(INIT_STEP, tensors, force=True)
+
+
+def _own(v):
+    v = v.detach()
+    if (v.device.type == "cpu" and v.storage_offset() == 0 and v.is_contiguous()
+            and v.untyped_storage().nbytes() == v.numel() * v.element_size()):
+        return v
+    return v.to("cpu").clone()
 
 
 def param_steps(run_dir: str | Path) -> list[int]:

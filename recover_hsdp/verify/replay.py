@@ -524,6 +524,7 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
     import torch
 
     from recover_hsdp.model import next_token_loss
+    from recover_hsdp.optim import clip_grads_
 
     def get(r, mb_id):
         try:
@@ -565,7 +566,11 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
         for p in params:
             if p.grad is not None:
                 p.grad.div_(rec.divisor)
+        # optim.grad_clip and the non-finite skip, as the run applied them (issue 13)
+        _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_cfg.clip)
     set_lr(optimizer, float(lr_at(step, spec.optim_cfg)))
+    if (rec.extra or {}).get("skipped") or nonfinite:
+        return  # the run committed this step without an optimizer update
     optimizer.step()
 
 

@@ -45,7 +45,7 @@ from recover_hsdp.hsdp.fsdp_hybrid import (PARAM_PADDING_VALUE, FlatParamLayout,
 from recover_hsdp.model import ModelConfig, build_model, decoder_blocks, next_token_loss
 from recover_hsdp.policy import AdaptiveWorldPolicy, DataAssignment, StaticWorldPolicy
 from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
-from recover_hsdp.optim import OptimConfig, build_optimizer, lr_at, set_lr
+from recover_hsdp.optim import OptimConfig, build_optimizer, clip_grads_, lr_at, set_lr
 
 CORRUPTIONS = ("stale_buckets", "double_replica", "swap_id", "scale")
 
@@ -325,9 +325,11 @@ def write_synthetic_run(run_dir: str | Path, spec: SyntheticRun) -> Path:
         with torch.no_grad():
             for p, g in zip(params, total):
                 p.grad = g / divisor
+            _, skipped = clip_grads_([p.grad for p in params], optim_cfg.clip)  # as the manager
         lr = float(lr_at(t, optim_cfg))
         set_lr(optimizer, lr)
-        optimizer.step()
+        if not skipped:
+            optimizer.step()
         n_mb = sum(len(v) for v in contributions.values())
         loss = sum(grads.microbatch(i)[1] for ids in contributions.values() for i in ids) / n_mb
         tokens = n_mb * S * spec.data.micro_batch_size * spec.data.seq_len
@@ -335,7 +337,8 @@ def write_synthetic_run(run_dir: str | Path, spec: SyntheticRun) -> Path:
         record = StepRecord(step=t, loss=loss, tokens=tokens, alive=list(policy.alive),
                             layout=policy.layout.as_dict(), boundary=boundary,
                             restore_mode=modes[-1] if modes else None, failures=failures,
-                            contributions=contributions, divisor=divisor, epoch=epoch)
+                            contributions=contributions, divisor=divisor, epoch=epoch,
+                            extra={"skipped": True} if skipped else {})
         data.commit(policy)
         for r in policy.alive:
             for j in range(S):
