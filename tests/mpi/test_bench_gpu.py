@@ -30,7 +30,7 @@ def test_bench_gpu_cpu_shape_writes_every_section(tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     files = sorted(f.name for f in out.glob("*.json"))
     assert files == ["1_readme.json", "2_1b_failure_free.json", "3_1b_kill.json",
-                     "4_staging.json", "5_s2.json"], files
+                     "4_staging.json", "5_s2.json", "6_w2_overhead.json"], files
     r = {f.stem.split("_", 1)[1]: json.loads(f.read_text()) for f in out.glob("*.json")}
     assert r["readme"]["verify_rc"] == 0 and r["readme"]["failures"] == 1
     ff = r["1b_failure_free"]
@@ -40,4 +40,5 @@ def test_bench_gpu_cpu_shape_writes_every_section(tmp_path):
     assert k["rc"] == 0 and k["kill_to_commit_s"] > 0 and k["next_step_s"] > 0
     assert r["staging"]["ulfm_gbps"] > 0 and r["staging"]["copy_gbps"] > 0
     assert "skipped" in r["s2"]
+    assert r["w2_overhead"]["staged_allreduce_s"] > 0 and r["w2_overhead"]["grad_accum"] == 2
     assert "ratio resilient/plain" in p.stdout and "kill->commit" in p.stdout
