@@ -382,7 +382,7 @@ def run_plain_worker(cfg: Any) -> int:
         dist.all_reduce(local_loss)
         loss = float(local_loss) / (S * B)
         tokens += tokens_per_step
-        rec = StepRecord(step=step, loss=loss, tokens=tokens_per_step, alive=list(range(W)),
+        rec = StepRecord(step=step, loss=loss if math.isfinite(loss) else None, tokens=tokens_per_step, alive=list(range(W)),
                          contributions={r: [(step * G + m) * W + r for m in range(G)]
                                         for r in range(W)},
                          divisor=B, extra={"skipped": True} if skipped else {},

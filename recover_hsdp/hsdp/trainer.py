@@ -7,6 +7,7 @@ dies.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -115,10 +116,11 @@ def run_worker(cfg: Any) -> int:
         tokens += mt.tokens
         local = {"wall_s": round(mt.wall_s, 6), "rank": mgr.rank, **step_resources(),
                  "bucket_epochs": mgr.orch.bucket_epochs()}
-        if mt.grad_norm is not None:
+        if mt.grad_norm is not None and math.isfinite(mt.grad_norm):
             local["grad_norm"] = mt.grad_norm
         recorder.commit(StepRecord(
-            step=mt.step, loss=mt.loss, tokens=mt.tokens, alive=mt.alive, layout=mt.layout,
+            step=mt.step, loss=mt.loss if math.isfinite(mt.loss) else None, tokens=mt.tokens,
+            alive=mt.alive, layout=mt.layout,
             boundary=mt.boundary,
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
             failures=mt.failures, contributions=mt.contributions, divisor=mt.divisor,
@@ -148,7 +150,8 @@ def run_worker(cfg: Any) -> int:
         replicas_alive=list(mgr.policy.alive), failures_survived=W - len(mgr.policy.alive),
         wall_time_s=wall, tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
         faults=mgr.injector.outcome(mgr.step, mgr.policy.alive),
-        extra={"final_loss": getattr(last, "loss", None)})
+        extra={"final_loss": getattr(last, "loss", None)
+               if math.isfinite(getattr(last, "loss", 0.0)) else None})
     recorder.finish(summary)
     recorder.close()
     if _is_logger(mgr):

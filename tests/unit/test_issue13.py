@@ -218,3 +218,13 @@ def test_llama_optimizer_settings_bring_the_loss_down_on_a_small_llama():
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"llama optimizer, small LLaMA: loss {first:.3f} (steps 0-4) -> {last:.3f} (25-29)")
     assert last < first - 0.3, losses
+
+
+def test_bench_gpu_w2_overhead_and_table():
+    from recover_hsdp.tools.bench_gpu import w2_overhead
+
+    r = {"1b_failure_free": {"resilient": {"step_s_median": 2.0, "params": 1e9}},
+         "1b_kill": {"normal_step_s": 2.5}, "staging": {"ulfm_gbps": 10.0}}
+    d = w2_overhead(r)
+    assert math.isclose(d["staged_allreduce_s"], 0.4) and math.isclose(d["ratio"], 1.25)
+    assert w2_overhead({"staging": {}}) == {}
