@@ -374,61 +374,6 @@ class Bench:
         return res
 
 
-def staging_worker(args: argparse.Namespace) -> int:
-    """Under mpirun -n 2: ulfm all-reduce of one fp32 bucket vs a plain pinned round trip."""
-    import torch
-
-    from recover_hsdp.collectives import UlfmGroup
-
-    cpu = args.cpu or not torch.cuda.is_available()
-    g = UlfmGroup.world()
-    rank = g.rank
-    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
-    if not cpu:
-        torch.cuda.set_device(dev)
-    n = int(args.staging_mb * 2**20) // 4
-    x = torch.ones(n, dtype=torch.float32, device=dev)
-    host = torch.empty(n, dtype=torch.float32, pin_memory=not cpu)
-
-    def sync():
-        if not cpu:
-            torch.cuda.synchronize()
-
-    def timed(fn, reps=5):
-        fn()
-        sync()
-        ts = []
-        for _ in range(reps):
-            g.barrier()
-            t = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
-
-    def ulfm():
-        res = g.allreduce(x)
-        if not res.ok:
-            raise RuntimeError(f"allreduce failed: {res}")
-
-    def plain():
-        host.copy_(x, non_blocking=True)
-        sync()
-        x.copy_(host, non_blocking=True)
-
-    t_ulfm = timed(ulfm)
-    t_copy = timed(plain)
-    nbytes = n * 4
-    res = {"ranks": g.size, "device": str(dev), "ulfm_s": t_ulfm, "copy_s": t_copy,
-           "ulfm_gbps": nbytes / t_ulfm / 1e9, "copy_gbps": nbytes / t_copy / 1e9,
-           "ulfm_over_copy": t_ulfm / t_copy}
-    if rank == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "rank0.json").write_text(json.dumps(res) + "\n")
-    sys.stdout.flush()
-    os._exit(0)
-
-
 def w2_overhead(r: dict) -> dict:
     """The issue's W=2 target: (W=2 normal step - W=1 resilient step) <= 1.2 x the staged
     all-reduce of the same bytes (fp32 gradient = 4 bytes x params, at section 4's rate). G=2
@@ -510,6 +455,8 @@ SECTIONS = ((1, "readme", "s1_readme"), (2, "1b_failure_free", "s2_failure_free"
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.staging_worker:
+        from recover_hsdp.bench.gpu_staging import staging_worker
+
         return staging_worker(args)
     b = Bench(args)
     want = {int(s) for s in args.sections.split(",") if s.strip()}

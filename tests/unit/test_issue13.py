@@ -221,7 +221,7 @@ def test_llama_optimizer_settings_bring_the_loss_down_on_a_small_llama():
 
 
 def test_bench_gpu_w2_overhead_and_table():
-    from recover_hsdp.tools.bench_gpu import w2_overhead
+    from recover_hsdp.bench.gpu import w2_overhead
 
     r = {"1b_failure_free": {"resilient": {"step_s_median": 2.0, "params": 1e9}},
          "1b_kill": {"normal_step_s": 2.5}, "staging": {"ulfm_gbps": 10.0}}
