@@ -292,7 +292,7 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
         raise TrainConfigError(hydra_error_line(e, overrides)) from None
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
@@ -328,9 +328,9 @@ def hydra_error_line(e: BaseException, overrides: Sequence[str] = ()) -> str:
         if group and options is not None:
             return (f"{group}={option}: no such {group} config (available: "
                     f"{', '.join(sorted(options))})")
-        return _one_line(str(e).split("Config search path")[0])
+        return one_line(str(e).split("Config search path")[0])
     if isinstance(e, OverrideParseException):
-        return f"cannot parse override: {_one_line(e)}"
+        return f"cannot parse override: {one_line(e)}"
     oc = _omegaconf_error(e)
     if oc is not None:
         full_key = getattr(oc, "full_key", None) or ""
@@ -342,8 +342,8 @@ def hydra_error_line(e: BaseException, overrides: Sequence[str] = ()) -> str:
             return f"{full_key}: unknown key ({_parent_keys(full_key)})"
         if full_key:   # e.g. ValidationError: "Value 'two' of type 'str' could not be ..."
             return f"{full_key}: {msg}"
-        return _one_line(msg)
-    return _one_line(e) or type(e).__name__
+        return one_line(msg)
+    return one_line(e) or type(e).__name__
 
 
 def load_config(path: "str | os.PathLike") -> DictConfig:
@@ -356,7 +356,7 @@ def load_config(path: "str | os.PathLike") -> DictConfig:
         oc = _omegaconf_error(e)
         if oc is not None and getattr(oc, "full_key", None):
             raise TrainConfigError(f"{path}: {hydra_error_line(e)}") from None
-        raise TrainConfigError(f"{path}: cannot load config: {_one_line(e)}") from None
+        raise TrainConfigError(f"{path}: cannot load config: {one_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +479,7 @@ def _typed(group: str, cls: type, node: Any) -> Any:
     except TrainConfigError:
         raise
     except (ValueError, TypeError) as e:   # ConfigError, DataConfigError, ScheduleError, ...
-        raise TrainConfigError(_one_line(e)) from None
+        raise TrainConfigError(one_line(e)) from None
 
 
 def n_buckets(model: Any) -> int:
@@ -497,7 +497,7 @@ def tokenizer_vocab_size(data: Any) -> int:
         raise TrainConfigError(f"data.tokenizer({data.tokenizer!r}) does not exist") from None
     except Exception as e:  # noqa: BLE001 - sentencepiece's own errors
         raise TrainConfigError(f"data.tokenizer({data.tokenizer!r}) is not a sentencepiece "
-                               f"model: {_one_line(e)}") from None
+                               f"model: {one_line(e)}") from None
 
 
 def _check_ranks(par: ParallelConfig, run: RunConfig, world_size: Optional[int]) -> None:
@@ -560,7 +560,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     except (ValueError, RuntimeError) as e:   # PolicyError is a RuntimeError
         raise TrainConfigError(f"policy.name({policy!r}) cannot reach B = parallel.replicas"
                                f"({par.replicas}) * parallel.grad_accum({par.grad_accum}): "
-                               f"{_one_line(e)}") from None
+                               f"{one_line(e)}") from None
     # the component groups
     components = untyped_groups()
     for group in ("model", "data", "failures"):
@@ -601,7 +601,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
                                   grad_accum=par.grad_accum, n_buckets=n_buckets(model),
                                   steps=run.steps)
     except (ValueError, TypeError) as e:
-        raise TrainConfigError(_one_line(e)) from None
+        raise TrainConfigError(one_line(e)) from None
     _check_baseline(parts["baseline"], policy, failures, schedule)
     return CheckedConfig(parallel=par, policy=parts["policy"], optim=optim, run=run,
                          debug=parts["debug"], model=model, data=data, failures=failures,
@@ -632,6 +632,56 @@ def _check_baseline(baseline: BaselineConfig, policy: str, failures: Any, schedu
 # ---------------------------------------------------------------------------------------------
 # Helpers for the manager
 # ---------------------------------------------------------------------------------------------
+# From a resolved config (a DictConfig, a plain mapping, or the path of a resolved YAML) to the
+# component objects every per-rank loop builds: the resilient trainer (hsdp/trainer.py), the
+# plain-FSDP baselines, the torchft peer and the benchmarks all use these four.
+def plain_config(cfg: Any) -> dict:
+    """A resolved config as plain Python containers: a DictConfig (interpolations resolved), the
+    path of a resolved YAML file (``<run dir>/launcher/config.yaml``) or a mapping."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    if isinstance(cfg, (str, Path)):
+        import yaml
+
+        with open(cfg) as f:
+            return yaml.safe_load(f)
+    return dict(cfg)
+
+
+def model_config(model: Mapping, vocab: int) -> Any:
+    """The ``model`` group as a ModelConfig sized to the tokenizer's ``vocab`` (unknown keys,
+    e.g. Hydra's ``name``, are dropped)."""
+    from recover_hsdp.model import ModelConfig
+
+    fields = {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
+    return ModelConfig(**fields).with_vocab(vocab)
+
+
+def data_config(data: Mapping, parallel: Mapping) -> Any:
+    """The DataConfig of a REPLICA's microbatch source from the ``data`` and ``parallel``
+    groups: seq_len = parallel.seq_len, micro_batch_size = parallel.micro_batch_size *
+    parallel.shard_size (a replica microbatch holds the rows of all S shard ranks,
+    docs/interfaces.md). The mapping form of :func:`replica_data_config`."""
+    from recover_hsdp.data import DataConfig
+
+    fields = {k: v for k, v in data.items() if k in DataConfig.__dataclass_fields__}
+    if isinstance(fields.get("paths"), list):
+        fields["paths"] = tuple(fields["paths"])
+    fields["seq_len"] = int(parallel["seq_len"])
+    fields["micro_batch_size"] = int(parallel["micro_batch_size"]) * int(parallel["shard_size"])
+    return DataConfig(**fields)
+
+
+def optim_config(optim: Mapping, steps: int) -> OptimConfig:
+    """The ``optim`` group as an OptimConfig; ``total_steps`` defaults to the run's ``steps``."""
+    fields = {k: v for k, v in optim.items() if k in OptimConfig.__dataclass_fields__}
+    if "total_steps" in OptimConfig.__dataclass_fields__ and fields.get("total_steps") is None:
+        fields["total_steps"] = steps
+    if isinstance(fields.get("betas"), list):
+        fields["betas"] = tuple(fields["betas"])
+    return OptimConfig(**fields)
+
+
 def replica_data_config(cfg: DictConfig) -> Any:
     """The DataConfig of a REPLICA's microbatch source (docs/interfaces.md): seq_len =
     parallel.seq_len, micro_batch_size = parallel.micro_batch_size * parallel.shard_size (shard

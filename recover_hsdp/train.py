@@ -39,14 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_TIME_LIMIT = 3
-EXIT_INTERRUPTED = 130
-
-LAUNCHER_DIR = "launcher"        # <run dir>/launcher/{config.yaml, command.sh, output.log}
-PROG = "recover-hsdp train"
+# the job description, exit codes and mpirun line live below this module and the
+# checkpoint-restart baseline, which both launch jobs (re-exported here for callers)
+from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED,  # noqa: F401
+                               EXIT_OK, EXIT_TIME_LIMIT, LAUNCHER_DIR, PROG, Job, JobResult,
+                               baseline_name, holds_run, job_command, job_env, print_error)
 
 USAGE = f"""usage: {PROG} [-m|--multirun] [--dry-run] [--print-config] [KEY=VALUE|GROUP=OPTION ...]
 
@@ -101,31 +98,9 @@ def parse_args(argv: Sequence[str]) -> Flags:
     return flags
 
 
-def _err(msg: str) -> None:
-    print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Jobs: sweep expansion, composition, run directories
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Job:
-    index: int | None          # None: a single run (not a sweep)
-    overrides: list[str]       # this job's overrides (sweeps expanded)
-    swept: list[str]           # the overrides that vary across the sweep
-    cfg: Any                   # the resolved DictConfig
-    checked: Any               # recover_hsdp.config.CheckedConfig
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run.output_dir)
-
-    @property
-    def label(self) -> str:
-        return " ".join(self.swept) if self.swept else "(defaults)" if not self.overrides \
-            else " ".join(self.overrides)
-
-
 def expand_sweep(overrides: Sequence[str]) -> tuple[list[list[str]], list[str]]:
     """Hydra's basic-sweeper expansion: (one override list per job, the swept keys).
 
@@ -135,12 +110,12 @@ def expand_sweep(overrides: Sequence[str]) -> tuple[list[list[str]], list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from recover_hsdp.config import TrainConfigError, _one_line
+    from recover_hsdp.config import TrainConfigError, one_line
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as e:  # noqa: BLE001 - OverrideParseException
-        raise TrainConfigError(f"cannot parse override: {_one_line(e)}") from None
+        raise TrainConfigError(f"cannot parse override: {one_line(e)}") from None
     swept = [o.get_key_element() for o in parsed if o.is_sweep_override()]
     for o in parsed:
         if o.is_sweep_override() and "glob(" in o.input_line:
@@ -149,13 +124,9 @@ def expand_sweep(overrides: Sequence[str]) -> tuple[list[list[str]], list[str]]:
     try:
         batches = BasicSweeper.split_arguments(parsed, None)
     except Exception as e:  # noqa: BLE001
-        raise TrainConfigError(f"cannot expand sweep: {_one_line(e)}") from None
+        raise TrainConfigError(f"cannot expand sweep: {one_line(e)}") from None
     jobs = [list(j) for batch in batches for j in batch]
     return jobs or [list(overrides)], swept
-
-
-def holds_run(path: Path) -> bool:
-    return any((path / n).exists() for n in ("meta.json", "steps", "summary.json", LAUNCHER_DIR))
 
 
 def _unique(path: Path) -> Path:
@@ -230,47 +201,6 @@ def check_worker_available() -> str | None:
             f"(run_worker) is not written yet")
 
 
-def job_command(job: Job, config_path: Path, env: dict[str, str]) -> list[str]:
-    from recover_hsdp.launch import exported_vars, mpirun_command
-
-    run = job.cfg.run
-    cmd = mpirun_command(int(run.np), config_path, mpirun=run.mpirun,
-                         mpirun_args=list(run.mpirun_args), export=exported_vars(env))
-    if _baseline(job.cfg) != "none":   # plain FSDP baselines: a plain job, no ULFM
-        from recover_hsdp.baselines.checkpoint_restart import plain_mpirun
-
-        cmd = plain_mpirun(cmd)
-    return cmd
-
-
-def _baseline(cfg) -> str:
-    base = cfg.get("baseline") if hasattr(cfg, "get") else None
-    return str(base.get("name", "none")) if base is not None else "none"
-
-
-def job_env(job: Job, store: str) -> dict[str, str]:
-    from recover_hsdp.launch import rank_env
-
-    run = job.cfg.run
-    return rank_env(store, omp_num_threads=int(run.omp_num_threads),
-                    shard_timeout_s=float(run.shard_timeout_s))
-
-
-@dataclass
-class JobResult:
-    job: Job
-    status: str                    # ok | incomplete | failed | time_limit | interrupted
-    exit_code: int
-    steps_expected: int
-    steps_committed: int = 0
-    last_step: int | None = None
-    failures_survived: int = 0
-    replicas_alive: list[int] = field(default_factory=list)
-    wall_time_s: float | None = None      # the run's own (summary.json)
-    launcher_wall_s: float = 0.0          # mpirun start to end, start-up included
-    tokens: int = 0
-    tokens_per_s: float | None = None
-    note: str = ""
 
 
 def judge_run(job: Job, launcher_wall_s: float, stopped: str | None) -> JobResult:
@@ -322,7 +252,7 @@ def launch_job(job: Job) -> JobResult:
     from recover_hsdp.hsdp.fsdp_hybrid import serve_store
     from recover_hsdp.launch import default_store_host, run_job
 
-    if _baseline(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
+    if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
 
         return run_checkpoint_restart(job)
@@ -378,7 +308,7 @@ def format_summary(res: JobResult) -> str:
         f"  throughput         {tps} (committed tokens / run wall time; {res.tokens:,} tokens)",
         f"  run directory      {res.job.run_dir}",
     ]
-    if res.status == "ok" and _baseline(res.job.cfg) == "none":
+    if res.status == "ok" and baseline_name(res.job.cfg) == "none":
         lines.append(f"  check it           recover-hsdp verify {res.job.run_dir}")
     if res.note:
         lines.append(f"  note               {res.note}")
@@ -409,7 +339,7 @@ def overall_exit(results: Sequence[JobResult]) -> int:
 def run_jobs(jobs: Sequence[Job], *, sweep: bool) -> int:
     why = check_worker_available()
     if why:
-        _err(why)
+        print_error(why)
         return EXIT_FAILED
     results = []
     for job in jobs:
@@ -435,7 +365,7 @@ def load_worker_fn(cfg=None):
     from recover_hsdp.launch import ENV_WORKER_FN
 
     spec = worker_fn_spec()
-    if cfg is not None and not os.environ.get(ENV_WORKER_FN) and _baseline(cfg) != "none":
+    if cfg is not None and not os.environ.get(ENV_WORKER_FN) and baseline_name(cfg) != "none":
         from recover_hsdp.baselines import PLAIN_WORKER_FN
 
         spec = PLAIN_WORKER_FN
@@ -481,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         flags = parse_args(argv)
     except UsageError as e:
-        _err(f"{e}\n{USAGE}")
+        print_error(f"{e}\n{USAGE}")
         return EXIT_CONFIG
     if flags.help:
         print(USAGE)
@@ -489,8 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flags.worker is not None:
         return worker_main(flags.worker)
     if "OMPI_COMM_WORLD_RANK" in os.environ:
-        _err("started inside an MPI job: `recover-hsdp train` launches mpirun itself (run it "
-             "outside mpirun; ranks run `python -m recover_hsdp.train --worker FILE`)")
+        print_error("started inside an MPI job: `recover-hsdp train` launches mpirun itself "
+                    "(run it outside mpirun; ranks run `python -m recover_hsdp.train --worker "
+                    "FILE`)")
         return EXIT_CONFIG
 
     from recover_hsdp.config import TrainConfigError
@@ -498,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         jobs = prepare_jobs(flags.overrides, multirun=flags.multirun)
     except TrainConfigError as e:
-        _err(str(e))
+        print_error(str(e))
         return EXIT_CONFIG
     if flags.print_config or flags.dry_run:
         from omegaconf import OmegaConf
@@ -520,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_jobs(jobs, sweep=flags.multirun)
     except KeyboardInterrupt:     # between jobs (a running job is stopped by run_job itself)
-        _err("interrupted")
+        print_error("interrupted")
         return EXIT_INTERRUPTED
 
 
@@ -541,7 +472,7 @@ def _hydra_task(cfg) -> None:
             raise TrainConfigError(f"run.output_dir({str(job.run_dir)!r}) already holds a run: "
                                    f"choose another or set run.overwrite=true")
     except TrainConfigError as e:
-        _err(str(e))
+        print_error(str(e))
         raise SystemExit(EXIT_CONFIG) from None
     rc = run_jobs([job], sweep=False)
     if rc:

@@ -27,22 +27,14 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from recover_hsdp.baselines import (ENV_ATTEMPT, PLAIN_WORKER_FN, RESTARTS, attempt_dir)
 from recover_hsdp.baselines.plain_worker import latest_checkpoint
+from recover_hsdp.jobs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                               EXIT_TIME_LIMIT, LAUNCHER_DIR, PROG, ULFM_FLAGS, JobResult,
+                               holds_run, job_command, job_env, plain_mpirun, print_error)
 
-ULFM_FLAGS = ("--with-ft", "ulfm")
-
-
-def plain_mpirun(cmd: Sequence[str]) -> list[str]:
-    """The launch line without ``--with-ft ulfm``: a plain job, which mpirun aborts as a whole
-    as soon as one rank dies on a signal (measured in docs/baselines.md)."""
-    out = list(cmd)
-    for i in range(len(out) - 1):
-        if out[i] == ULFM_FLAGS[0] and out[i + 1] == ULFM_FLAGS[1]:
-            return out[:i] + out[i + 2:]
-    return out
 
 
 def read_events(run_dir: Path, attempt: int) -> dict[int, list[dict]]:
@@ -122,15 +114,12 @@ def breakdown(run_dir: Path, restarts: list[dict], fired: list[dict],
 
 
 def run_checkpoint_restart(job) -> Any:
-    """Run a ``baseline=checkpoint_restart`` job to completion; return train.JobResult."""
+    """Run a ``baseline=checkpoint_restart`` job to completion; return jobs.JobResult."""
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.fsdp_hybrid import serve_store
     from recover_hsdp.launch import ENV_WORKER_FN, default_store_host, run_job
     from recover_hsdp.record import JsonlAppender, write_summary
-    from recover_hsdp.train import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TIME_LIMIT,
-                                    LAUNCHER_DIR, PROG, JobResult, _err, holds_run,
-                                    job_command, job_env)
 
     cfg = job.cfg
     run_dir = job.run_dir
@@ -203,7 +192,7 @@ def run_checkpoint_restart(job) -> Any:
                             f"(mpirun rc {outcome.returncode}); see {ldir / 'output.log'}")
                 break
             if attempt >= max_restarts:
-                _err(f"baseline.max_restarts({max_restarts}) exceeded: {len(committed)}/{steps} "
+                print_error(f"baseline.max_restarts({max_restarts}) exceeded: {len(committed)}/{steps} "
                      f"steps committed after {attempt + 1} attempts")
                 res.note = f"baseline.max_restarts({max_restarts}) exceeded"
                 break

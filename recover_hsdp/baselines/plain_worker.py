@@ -153,7 +153,7 @@ class _ReducePoints:
 
         from recover_hsdp.hsdp import fsdp_hybrid as fh
 
-        self._bucket = {id(h): i for i, (_, h) in enumerate(fh._handles(module))}
+        self._bucket = {id(h): i for i, (_, h) in enumerate(fh.flat_param_handles(module))}
         self._check = check
         self.step = 0
         for name in ("_reduce_grad", "_reduce_grad_no_shard"):
@@ -190,13 +190,13 @@ def run_plain_worker(cfg: Any) -> int:
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.faults import FailureInjector, FailureSchedule, FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.hsdp.trainer import _data_config, _model_config, _optim_config, _plain
+    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
     from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
     from recover_hsdp.optim import build_optimizer, lr_at
     from recover_hsdp.record import (ParamWriter, RunRecorder, RunSummary, StepRecord,
                                      StepWriter, write_fault_fired, write_run_files)
 
-    c = _plain(cfg)
+    c = plain_config(cfg)
     par, run, base = c["parallel"], c["run"], c["baseline"]
     mode = str(base["name"])
     if mode not in (MODE_REFERENCE, MODE_CHECKPOINT_RESTART):
@@ -234,10 +234,10 @@ def run_plain_worker(cfg: Any) -> int:
                              group_desc="checkpoint") if cr else None
 
     # --- model, data, optimizer: as the resilient trainer ---------------------------------
-    data_cfg = _data_config(c["data"], par)
+    data_cfg = data_config(c["data"], par)
     tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = _model_config(c["model"], tok.vocab_size)
-    optim_cfg = _optim_config(c.get("optim", {}), steps)
+    model_cfg = model_config(c["model"], tok.vocab_size)
+    optim_cfg = optim_config(c.get("optim", {}), steps)
     model = build_model(model_cfg, seed=seed)
     module = wrap_plain(model, shard_pg, replicate_pg, S, device, fsdp_wrap_policy())
     optimizer = build_optimizer(module.named_parameters(), optim_cfg)
@@ -247,7 +247,7 @@ def run_plain_worker(cfg: Any) -> int:
     tokens_per_step = B * S * tpm
 
     # --- failure schedule (checkpoint_restart): entries that already fired are dropped ------
-    n_buckets = len(fh._handles(module))
+    n_buckets = len(fh.flat_param_handles(module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
         W, S, G, n_buckets, steps=steps, base_dir=None)
     fired = fired_entries(run_dir)

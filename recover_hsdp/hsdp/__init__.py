@@ -6,8 +6,8 @@ over the S replicate groups, `trainer` the per-rank worker behind `recover-hsdp 
 """
 import torch  # noqa: F401  (registration below needs torch loaded)
 
-from recover_hsdp import _register_backend as _rb
+from recover_hsdp.collectives import register_backend
 
-_rb()
+register_backend()
 
 from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager  # noqa: E402,F401

@@ -15,52 +15,13 @@ from typing import Any, Mapping
 
 import torch
 
-
-def _plain(cfg: Any) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(cfg, (str, Path)):
-        import yaml
-
-        with open(cfg) as f:
-            return yaml.safe_load(f)
-    return dict(cfg)
+from recover_hsdp.config import data_config, model_config, optim_config, plain_config
 
 
-def _model_config(c: Mapping, vocab: int):
-    from recover_hsdp.model import ModelConfig
-
-    fields = {k: v for k, v in c.items() if k in ModelConfig.__dataclass_fields__}
-    return ModelConfig(**fields).with_vocab(vocab)
-
-
-def _data_config(c: Mapping, par: Mapping):
-    from recover_hsdp.data import DataConfig
-
-    fields = {k: v for k, v in c.items() if k in DataConfig.__dataclass_fields__}
-    if isinstance(fields.get("paths"), list):
-        fields["paths"] = tuple(fields["paths"])
-    fields["seq_len"] = int(par["seq_len"])
-    # a replica microbatch holds the rows of all S shard ranks (docs/interfaces.md)
-    fields["micro_batch_size"] = int(par["micro_batch_size"]) * int(par["shard_size"])
-    return DataConfig(**fields)
-
-
-def _optim_config(c: Mapping, steps: int):
-    from recover_hsdp import optim
-
-    cls = getattr(optim, "OptimConfig")
-    fields = {k: v for k, v in c.items() if k in cls.__dataclass_fields__}
-    if "total_steps" in cls.__dataclass_fields__ and fields.get("total_steps") is None:
-        fields["total_steps"] = steps
-    if isinstance(fields.get("betas"), list):
-        fields["betas"] = tuple(fields["betas"])
-    return cls(**fields)
+# the config-to-object helpers are public in recover_hsdp.config; the old private names stay
+# importable here for code written against them
+_plain, _model_config, _data_config, _optim_config = (
+    plain_config, model_config, data_config, optim_config)
 
 
 def run_worker(cfg: Any) -> int:
@@ -73,7 +34,7 @@ def run_worker(cfg: Any) -> int:
     from recover_hsdp.optim import build_optimizer, lr_at
     from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
 
-    c = _plain(cfg)
+    c = plain_config(cfg)
     par, run = c["parallel"], c["run"]
     W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
     steps = int(run["steps"])
@@ -81,10 +42,10 @@ def run_worker(cfg: Any) -> int:
     run_dir = Path(run["output_dir"])
     torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
 
-    data_cfg = _data_config(c["data"], par)
+    data_cfg = data_config(c["data"], par)
     tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = _model_config(c["model"], tok.vocab_size)
-    optim_cfg = _optim_config(c.get("optim", {}), steps)
+    model_cfg = model_config(c["model"], tok.vocab_size)
+    optim_cfg = optim_config(c.get("optim", {}), steps)
     model = build_model(model_cfg, seed=seed)
     sources: dict[int, Any] = {}
 

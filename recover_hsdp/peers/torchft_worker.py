@@ -83,17 +83,17 @@ class ProbedLoss(nn.Module):
 
 def _build(spec: dict):
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
-    from recover_hsdp.hsdp.trainer import _data_config, _model_config, _optim_config
+    from recover_hsdp.config import data_config, model_config, optim_config
     from recover_hsdp.model import build_model
     from recover_hsdp.optim import build_optimizer
     from recover_hsdp.peers.probe import probe_weight
 
     par = {"seq_len": spec["seq_len"], "micro_batch_size": spec["micro_batch_size"],
            "shard_size": 1}
-    data_cfg = _data_config(spec["data"], par)
+    data_cfg = data_config(spec["data"], par)
     tok = load_tokenizer(data_cfg.tokenizer)
-    model = build_model(_model_config(spec["model"], tok.vocab_size), seed=int(spec["seed"]))
-    optim_cfg = _optim_config(spec["optim"], int(spec["steps"]))
+    model = build_model(model_config(spec["model"], tok.vocab_size), seed=int(spec["seed"]))
+    optim_cfg = optim_config(spec["optim"], int(spec["steps"]))
     opt = build_optimizer(model.named_parameters(), optim_cfg)   # the probes are not stepped
     net = ProbedLoss(model, probe_weight(spec["replica"]),
                      int(spec["micro_batch_size"]) * int(spec["seq_len"]))

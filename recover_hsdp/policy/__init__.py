@@ -11,7 +11,7 @@ recover_hsdp.types, never torch.
 """
 from __future__ import annotations
 
-from recover_hsdp.policy._base import PolicyBase, parse_role
+from recover_hsdp.policy._base import ROLE_NAMES, PolicyBase, parse_role
 from recover_hsdp.policy.adaptive import AdaptiveWorldPolicy
 from recover_hsdp.policy.counts import CountModel, EventOutcome, IterationOutcome, plan, random_plan
 from recover_hsdp.policy.data import DataAssignment
@@ -24,7 +24,7 @@ from recover_hsdp.policy.layout import (Layout, PolicyError, admitted_spares, ad
 from recover_hsdp.policy.static import StaticWorldPolicy
 
 __all__ = [
-    "AdaptiveWorldPolicy", "CountModel", "DataAssignment", "EventMismatchError", "EventOutcome",
+    "ROLE_NAMES", "AdaptiveWorldPolicy", "CountModel", "DataAssignment", "EventMismatchError", "EventOutcome",
     "FailureEvent", "IterationOutcome", "Layout", "PolicyBase", "PolicyDecision", "PolicyError",
     "RestoreMode", "StaticWorldPolicy", "admitted_spares", "advance_layout", "boundary_extension",
     "boundary_roles", "contrib_total", "elect", "parse_role", "plan", "random_plan",

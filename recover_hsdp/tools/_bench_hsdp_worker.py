@@ -40,11 +40,11 @@ def run(cfg_path: str, out_dir: str) -> int:
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.hsdp.trainer import _data_config, _model_config, _optim_config, _plain
+    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
     from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
     from recover_hsdp.optim import build_optimizer, lr_at
 
-    c = _plain(cfg_path)
+    c = plain_config(cfg_path)
     par, run_c, bench = c["parallel"], c["run"], c.get("bench", {})
     W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
     warmup, steps = int(bench.get("warmup", 3)), int(bench.get("steps", 20))
@@ -56,10 +56,10 @@ def run(cfg_path: str, out_dir: str) -> int:
     rank = dist.get_rank()
     topo = fh.HybridTopology.for_world(W, S, rank, dist.get_world_size())
 
-    data_cfg = _data_config(c["data"], par)
+    data_cfg = data_config(c["data"], par)
     tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = _model_config(c["model"], tok.vocab_size)
-    optim_cfg = _optim_config(c.get("optim", {}), total)
+    model_cfg = model_config(c["model"], tok.vocab_size)
+    optim_cfg = optim_config(c.get("optim", {}), total)
     source = build_microbatch_source(data_cfg, topo.replica, W)
     mbs = int(par["micro_batch_size"])
     tpm = mbs * int(par["seq_len"])

@@ -22,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from recover_hsdp.policy._base import ROLE_NAMES, parse_role
+from recover_hsdp.policy import ROLE_NAMES, parse_role
 from recover_hsdp.policy.counts import IterationOutcome, plan, random_plan
 from recover_hsdp.policy.layout import Layout, PolicyError
 

@@ -66,9 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _step_line(rep) -> str:
-    from recover_hsdp.verify.replay import _fmt
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
+
+def _step_line(rep) -> str:
     head = (f"step {rep.step}: {rep.microbatches} mb from {rep.replicas} replicas / "
             f"{rep.divisor}  lr={rep.lr:.3g}")
     if not rep.compared:

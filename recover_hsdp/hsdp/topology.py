@@ -1,0 +1,247 @@
+"""Where a rank sits and how it talks: the W x S topology, the shard process groups and the
+rendezvous store (split out of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid`` re-exports all).
+
+After init nothing here needs the rendezvous store again (rank 0 may die; see
+:func:`init_distributed_from_env`). The store is served by the launcher, outside the ranks
+(:func:`serve_store`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: "host:port" of a TCPStore served by the launcher (outside the training ranks).
+ENV_STORE = "RECOVER_HSDP_STORE"
+#: Seconds a shard-group collective may wait for a peer before raising (gloo's default is 30 min).
+ENV_SHARD_TIMEOUT = "RECOVER_HSDP_SHARD_TIMEOUT_S"
+DEFAULT_SHARD_TIMEOUT_S = 60.0
+DEFAULT_STORE_TIMEOUT_S = 120.0
+
+
+# --------------------------------------------------------------------------------------------
+# Topology
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HybridTopology:
+    """``replicas`` x ``shard_size`` ranks: replica r = ranks [r*S, (r+1)*S), shard index = rank % S."""
+
+    replicas: int
+    shard_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        for key, value in (("parallel.replicas", self.replicas),
+                           ("parallel.shard_size", self.shard_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank {self.rank} is outside parallel.replicas({self.replicas}) * "
+                f"parallel.shard_size({self.shard_size}) = {self.world_size} ranks"
+            )
+
+    @classmethod
+    def for_world(cls, replicas: int, shard_size: int, rank: int, world_size: int) -> "HybridTopology":
+        """Build and check against the launched world size (error names both keys and values)."""
+        if replicas * shard_size != world_size:
+            raise ValueError(
+                f"parallel.replicas({replicas}) * parallel.shard_size({shard_size}) = "
+                f"{replicas * shard_size} != world size {world_size}"
+            )
+        return cls(replicas, shard_size, rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shard_size
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.shard_size
+
+    @property
+    def shard_index(self) -> int:
+        return self.rank % self.shard_size
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """Global ranks of one replica (its shard group), in shard-index order."""
+        if not 0 <= replica < self.replicas:
+            raise ValueError(f"replica {replica} not in [0, {self.replicas})")
+        return list(range(replica * self.shard_size, (replica + 1) * self.shard_size))
+
+    def replicate_ranks(self, shard_index: int) -> list[int]:
+        """Global ranks holding shard ``shard_index`` (its cross-replica group), replica order."""
+        if not 0 <= shard_index < self.shard_size:
+            raise ValueError(f"shard index {shard_index} not in [0, {self.shard_size})")
+        return [r * self.shard_size + shard_index for r in range(self.replicas)]
+
+    def replica_of_rank(self, global_rank: int) -> int:
+        return global_rank // self.shard_size
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups and rendezvous
+# --------------------------------------------------------------------------------------------
+def shard_group_failure_kind(exc: BaseException) -> str | None:
+    """Classify an exception from a shard-group collective: "peer_closed", "timeout" or None.
+
+    gloo (torch 2.13, measured): a SIGKILLed peer -> RuntimeError "... Connection closed by peer
+    ..." (also "Connection reset by peer") within milliseconds; a hung peer -> RuntimeError
+    "... Timed out waiting <ms>ms for recv operation to complete" after the group timeout.
+    Either way this replica lost a member: the manager should SIGKILL this rank (os._exit with a
+    non-zero code is NOT seen as a failure by ULFM; see feasibility.md). NCCL on GPU reports
+    through its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING tears the process down itself).
+    """
+    if not isinstance(exc, RuntimeError):
+        return None
+    msg = str(exc)
+    if "Connection closed by peer" in msg or "Connection reset by peer" in msg:
+        return "peer_closed"
+    if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+        return "timeout"
+    return None
+
+
+def check_identical_init(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Collective: raise ValueError on every rank unless ``module``'s parameters agree everywhere.
+
+    Compares a per-parameter (sum, sum of squares) fingerprint in fp64 over ``group`` (default:
+    the whole job). Call before wrapping: FSDP on CPU cannot broadcast the init for you.
+    """
+    params = list(module.named_parameters())
+    fp = torch.tensor([[p.detach().double().sum().item(), p.detach().double().pow(2).sum().item()]
+                       for _, p in params], dtype=torch.float64).reshape(-1)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(fp) for _ in range(world)]
+    dist.all_gather(gathered, fp, group=group)
+    for other_rank, other in enumerate(gathered):
+        if not torch.equal(other, gathered[0]):
+            bad = int((other.reshape(-1, 2) != gathered[0].reshape(-1, 2)).any(1).nonzero()[0])
+            raise ValueError(
+                f"parameters differ across ranks (first: {params[bad][0]!r} on group rank "
+                f"{other_rank} vs 0): initialise every rank from the same seed"
+            )
+
+
+def shard_timeout_s() -> float:
+    return float(os.environ.get(ENV_SHARD_TIMEOUT, DEFAULT_SHARD_TIMEOUT_S))
+
+
+def new_shard_groups(
+    topology: HybridTopology,
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+) -> dist.ProcessGroup:
+    """Create one shard group per replica; return this rank's.
+
+    Collective over the WHOLE default group: every rank creates every replica's group, in replica
+    order (torch.distributed.new_group's contract), so call it once, at the same point, everywhere.
+    ``backend`` defaults to nccl when CUDA is available, else gloo. ``timeout_s`` bounds how long a
+    collective waits for a hung peer (gloo raises; NCCL's watchdog aborts the process).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("new_shard_groups: torch.distributed is not initialised")
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(
+            f"parallel.replicas({topology.replicas}) * parallel.shard_size({topology.shard_size}) "
+            f"= {topology.world_size} != world size {dist.get_world_size()}"
+        )
+    if dist.get_rank() != topology.rank:
+        raise ValueError(f"topology.rank {topology.rank} != torch rank {dist.get_rank()}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
+    mine = None
+    for replica in range(topology.replicas):
+        group = dist.new_group(
+            topology.replica_ranks(replica), timeout=timeout, backend=backend,
+            group_desc=f"shard_replica{replica}",
+        )
+        if replica == topology.replica:
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def local_device() -> torch.device:
+    """cuda:<local rank> (and make it current) when CUDA is available, else cpu.
+
+    Local rank: OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else LOCAL_RANK, else 0. Call before
+    :func:`new_shard_groups` with nccl: NCCL binds a communicator to the current device.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _parse_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{ENV_STORE} must be 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def _env_int(*names: str) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    raise RuntimeError(f"none of {', '.join(names)} is set: launch under mpirun (or torchrun)")
+
+
+def init_distributed_from_env(
+    *,
+    backend: str = "gloo",
+    timeout_s: float | None = None,
+    store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
+) -> tuple[int, int]:
+    """Initialise torch.distributed from the launcher's environment; return (rank, world_size).
+
+    Rank/size: OMPI_COMM_WORLD_RANK/SIZE (mpirun), else RANK/WORLD_SIZE. Rendezvous store:
+    ``RECOVER_HSDP_STORE=host:port`` served by the launcher (:func:`serve_store`), so no training
+    rank hosts it; otherwise MASTER_ADDR/MASTER_PORT hosted by rank 0 (then rank 0's death kills the
+    store: nothing after init may need it, and nothing in this module does). The default group is
+    gloo even on GPU: it is only used while creating groups; the shard groups choose their own
+    backend in :func:`new_shard_groups`.
+    """
+    rank = _env_int("OMPI_COMM_WORLD_RANK", "RANK")
+    world_size = _env_int("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
+    store_timeout = timedelta(seconds=store_timeout_s)
+    if os.environ.get(ENV_STORE):
+        host, port = _parse_host_port(os.environ[ENV_STORE])
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=store_timeout)
+    else:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT")
+        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
+                              timeout=store_timeout)
+    timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return rank, world_size
+
+
+@contextlib.contextmanager
+def serve_store(host: str | None = None, *, timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+                ) -> Iterator[str]:
+    """Launcher side: host a TCPStore on a free port for the job's lifetime; yield "host:port".
+
+    Run it in the process that starts mpirun (not a training rank) and export the address as
+    ``RECOVER_HSDP_STORE`` to the ranks. ``host`` defaults to this machine's hostname (use the
+    address the ranks can reach; 127.0.0.1 for a one-machine job).
+    """
+    host = host or socket.gethostname()
+    store = dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    try:
+        yield f"{host}:{store.port}"
+    finally:
+        del store
