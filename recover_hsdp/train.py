@@ -162,7 +162,7 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         run_dir = Path(base, f"{i}_{override_dirname(swept)}") if multirun else Path(base)
         cfg = resolve_config(cfg, cwd=cwd, run_dir=run_dir, now=now)
         checked = validate(cfg)
-        if holds_run(run_dir) and not cfg.run.overwrite:
+        if holds_run(run_dir) and not cfg.run.overwrite and not cfg.run.get("resume", False):
             from recover_hsdp.config import TrainConfigError
 
             raise TrainConfigError(f"run.output_dir({str(run_dir)!r}) already holds a run: "
@@ -256,6 +256,9 @@ def launch_job(job: Job) -> JobResult:
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
 
         return run_checkpoint_restart(job)
+    from recover_hsdp.resume import run_resilient, wants_supervisor   # issue 14
+    if wants_supervisor(job.cfg):
+        return run_resilient(job)
     run_dir = job.run_dir
     if job.cfg.run.overwrite and holds_run(run_dir):
         shutil.rmtree(run_dir)

@@ -87,24 +87,33 @@ def run_worker(cfg: Any) -> int:
             "policy": str(c.get("policy", {}).get("name", "static")),
             "restore_enabled": mgr.restore_enabled, "processes_per_replica": S,
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
-    recorder.start(meta, c, schedule)
-    recorder.save_initial_params(_shards(mgr))
+    ck = _ckpt_setup(mgr, c, run_dir, fingerprint)                 # issue 14: None when off
+    if ck is not None and ck.resumed is not None:
+        recorder.resume_segment(ck.segment)
+        mgr.set_failure_schedule(_ckpt_schedule(schedule, run_dir, mgr.step),
+                                 before_kill=recorder.fault_fired)
+    else:
+        recorder.start(meta, c, schedule)
+        recorder.save_initial_params(_shards(mgr))
     log_every = int(run.get("log_every", 1) or 1)
     t_start = time.perf_counter()
     tokens = 0
     last = None
     tb = None  # TensorBoard writer of the current logging rank, when tensorboard is installed
-    for step in range(steps):
+    for step in range(mgr.step, steps):
         mt = mgr.train_step()
         tokens += mt.tokens
         recorder.commit(StepRecord(
             step=mt.step, loss=mt.loss, tokens=mt.tokens, alive=mt.alive, layout=mt.layout,
             boundary=mt.boundary,
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
-            failures=mt.failures, contributions=mt.contributions, divisor=mt.divisor,
+            failures=mt.failures, divisor=mt.divisor,
+            contributions=ck.contributions(mt.contributions) if ck else mt.contributions,
             epoch=mt.epoch, local={"wall_s": round(mt.wall_s, 6), "rank": mgr.rank}))
         recorder.save_params(mt.step, _shards(mgr))
         last = mt
+        if ck is not None:
+            ck.after_commit(steps)                 # periodic save; a stop request exits here
         if _is_logger(mgr):
             tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
             if tb:
@@ -127,7 +136,9 @@ def run_worker(cfg: Any) -> int:
         replicas_alive=list(mgr.policy.alive), failures_survived=W - len(mgr.policy.alive),
         wall_time_s=wall, tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
         faults=mgr.injector.outcome(mgr.step, mgr.policy.alive),
-        extra={"final_loss": getattr(last, "loss", None)})
+        extra={"final_loss": getattr(last, "loss", None), **(ck.summary() if ck else {})})
+    if ck is not None:
+        ck.wait()
     recorder.finish(summary)
     recorder.close()
     if _is_logger(mgr):
@@ -137,6 +148,19 @@ def run_worker(cfg: Any) -> int:
     sys.stdout.flush()
     # ULFM: a clean MPI_Finalize after failures may hang (ompi #11404); leave without it.
     os._exit(0 if mgr.step == steps else 1)
+
+
+def _ckpt_setup(mgr, c: Mapping, run_dir: Path, fingerprint: str):
+    """Checkpointing of this segment (issue 14; recover_hsdp/hsdp/checkpoint.py), or None."""
+    from recover_hsdp.hsdp.checkpoint import TrainerCheckpointing
+
+    return TrainerCheckpointing.from_config(mgr, c, run_dir, fingerprint)
+
+
+def _ckpt_schedule(schedule, run_dir: Path, start: int):
+    from recover_hsdp.hsdp.checkpoint import remaining_schedule
+
+    return remaining_schedule(schedule, run_dir, start)
 
 
 def meta_policy(c: Mapping) -> str:
