@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import os
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -33,6 +34,55 @@ from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, r
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
 STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
+
+
+def _state_dicts(mgr) -> dict:
+    """{"model", "optim"}: FSDP SHARDED state dicts of this rank. FSDP's optimizer state dict
+    gathers keys over the group it is given, else the WORLD (which holds other replicas, and
+    dead ranks): always the replica's own shard group here."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    _init_optim_state(mgr.optimizer)
+    with warnings.catch_warnings(), \
+            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
+        warnings.simplefilter("ignore")      # ShardedTensor / state_dict_type deprecations
+        return {"model": mgr.module.state_dict(),
+                "optim": FSDP.optim_state_dict(mgr.module, mgr.optimizer, group=mgr.shard_pg)}
+
+
+def _load_state_dicts(mgr, state: dict) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with warnings.catch_warnings(), \
+            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
+        warnings.simplefilter("ignore")
+        mgr.module.load_state_dict(state["model"])
+        osd = FSDP.optim_state_dict_to_load(mgr.module, mgr.optimizer, state["optim"],
+                                            group=mgr.shard_pg)
+        mgr.optimizer.load_state_dict(osd)
+
+
+def _stage(obj):
+    """A CPU copy of a state dict (DCP's own async stager refuses FSDP1's ShardedTensors)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    warnings.simplefilter("ignore", FutureWarning)
+
+    if isinstance(obj, ShardedTensor):
+        shards = [Shard(sh.tensor.detach().to("cpu", copy=True), sh.metadata)
+                  for sh in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _stage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_stage(v) for v in obj)
+    return obj
 
 
 class SliceDataAssignment(DataAssignment):
@@ -95,6 +145,7 @@ class ResilientCheckpointer:
         self.log = log or (lambda s: None)
         self.pending: Optional[tuple[Any, Path, Path, dict, float]] = None
         self.save_times: list[dict] = []
+        self._pool = None
         mine = None
         for r in range(W):
             g = dist.new_group(mgr.topo.replica_ranks(r), backend="gloo",
@@ -129,19 +180,23 @@ class ResilientCheckpointer:
         if not self.is_saver():
             return 0.0
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         t0 = time.perf_counter()
         self.wait()
         tmp = tmp_path(self.run_dir, step, self.segment)
         tmp.mkdir(parents=True, exist_ok=True)
-        msd, osd = get_state_dict(self.mgr.module, self.mgr.optimizer)
-        state = {"model": msd, "optim": osd}
+        state = _state_dicts(self.mgr)
         meta = self._state(step)
         final = ckpt_path(self.run_dir, step)
         use_async = self.use_async if sync is None else not sync
-        if use_async:
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
+        if use_async:   # staged copy now; DCP (its collectives on ckpt_pg) in a thread
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+            staged = _stage(state)
+            fut = self._pool.submit(dcp.save, staged, checkpoint_id=str(tmp),
+                                    process_group=self.pg)
             self.pending = (fut, tmp, final, meta, t0)
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
@@ -182,18 +237,15 @@ class ResilientCheckpointer:
         """Load model + optimizer on every rank (each replica over its own group; DCP reshards),
         set the manager's step and data position. Returns state.json."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from recover_hsdp.record.checkpoint import assign_slices
 
         path = Path(path)
         st = read_state(path)
         mgr = self.mgr
-        msd, osd = get_state_dict(mgr.module, mgr.optimizer)
-        state = {"model": msd, "optim": osd}
+        state = _state_dicts(mgr)
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
-        set_state_dict(mgr.module, mgr.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        _load_state_dicts(mgr, state)
         self.w0 = int(st["w_init"])
         self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
         self.slice_of = assign_slices(self.slices, mgr.topo.replicas)
