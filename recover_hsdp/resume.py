@@ -71,9 +71,29 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
                       ("steps", int(cfg.run.steps)), ("run_seed", int(cfg.run.seed))):
         if key in st and st[key] != mine:
             name = {"run_seed": "run.seed", "steps": "run.steps"}.get(key, key)
+            if isinstance(mine, dict) and isinstance(st[key], dict):
+                diff = [f"{name}.{k}: {_short(st[key].get(k), 30)} -> {_short(mine.get(k), 30)}"
+                        for k in sorted(set(st[key]) | set(mine)) if st[key].get(k) != mine.get(k)]
+                return (f"cannot resume from {path}: the config changes what the run trained "
+                        f"({'; '.join(diff[:4])})")
             return (f"cannot resume from {path}: {name} differs from the run that saved it "
-                    f"({_short(st[key])} != {_short(mine)})")
+                    f"({_short(st[key])} -> {_short(mine)})")
     return None
+
+
+def check_resume_dir(cfg, run_dir: Path) -> None:
+    """Before anything starts: run.resume=true needs a complete, compatible checkpoint
+    (TrainConfigError, one line, exit 2). A broken newer checkpoint is skipped with a warning."""
+    from recover_hsdp.config import TrainConfigError
+    from recover_hsdp.record.checkpoint import latest_complete
+
+    found = latest_complete(run_dir, warn=lambda m: print(f"[{PROG}] warning: {m}", flush=True))
+    if found is None:
+        raise TrainConfigError(f"run.resume=true: {run_dir} holds no complete checkpoint "
+                               f"(checkpoints/step_N/COMPLETE); nothing to resume")
+    why = check_resume(cfg, found[1], found[0])
+    if why:
+        raise TrainConfigError(why)
 
 
 def _short(v: Any, n: int = 80) -> str:

@@ -168,6 +168,9 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
             raise TrainConfigError(f"run.output_dir({str(run_dir)!r}) already holds a run: "
                                    f"choose another run.output_dir/run.name or set "
                                    f"run.overwrite=true")
+        if cfg.run.get("resume", False):   # issue 14: a checkpoint to resume from, compatible
+            from recover_hsdp.resume import check_resume_dir
+            check_resume_dir(cfg, run_dir)
         jobs.append(Job(i if multirun else None, list(ovs), swept, cfg, checked))
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):

@@ -162,6 +162,16 @@ def truncate_steps(run_dir: str | os.PathLike, resume_step: int, segment: int) -
             moved += len(drop)
         if drop or _torn:
             atomic_write(path, b"".join(dumps_line(r) for r in keep))
+    # parameter snapshots of those steps too: the resumed segment (maybe of another width)
+    # writes its own, and a stale copy of a replica it no longer has would be compared
+    params = Path(run_dir) / "params"
+    if params.is_dir():
+        for p in sorted(params.iterdir()):
+            m = re.match(r"^step(\d+)$", p.name)
+            if m and int(m.group(1)) >= resume_step:
+                d = params / "discarded" / f"seg{segment}"
+                d.mkdir(parents=True, exist_ok=True)
+                os.replace(p, d / p.name)
     return moved
 
 
