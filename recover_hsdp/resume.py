@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TIME_LIMIT, LAUNCHER_DIR,
+from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED,  # noqa: F401
+                               EXIT_TIME_LIMIT, LAUNCHER_DIR,
                                PROG, JobResult, baseline_name, holds_run, job_command, job_env,
                                print_error)
 
-EXIT_PREEMPTED = 4     # a stop request (SIGTERM / SIGUSR1) was served: checkpoint saved, resume
 
 
 def wants_supervisor(cfg) -> bool:

@@ -337,6 +337,8 @@ def overall_exit(results: Sequence[JobResult]) -> int:
     codes = [r.exit_code for r in results]
     if EXIT_INTERRUPTED in codes:
         return EXIT_INTERRUPTED
+    if 4 in codes:      # jobs.EXIT_PREEMPTED: checkpointed on SIGTERM/SIGUSR1 (issue 14)
+        return 4
     if not codes or all(c == EXIT_OK for c in codes):
         return EXIT_OK
     return EXIT_TIME_LIMIT if all(c in (EXIT_OK, EXIT_TIME_LIMIT) for c in codes) else EXIT_FAILED
