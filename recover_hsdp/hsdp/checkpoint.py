@@ -115,6 +115,8 @@ def slice_table(mgr, w0: int, slice_of: Mapping[int, int], prev: Mapping) -> dic
     for r, s in slice_of.items():
         if r in getattr(data, "_cursor", {}):
             out[str(s)]["cursor"] = int(data.cursor(r))
+        elif r in getattr(data, "abandoned", {}):
+            out[str(s)]["cursor"] = int(data.abandoned[r])
         out[str(s)]["live"] = r in mgr.policy.alive
     return out
 
@@ -202,9 +204,19 @@ class ResilientCheckpointer:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
             self._finish(tmp, final, meta, t0)
         held = time.perf_counter() - t0
-        self.save_times.append({"step": int(step), "held_s": round(held, 6),
-                                "async": bool(use_async)})
+        self._event({"event": "save", "step": int(step), "held_s": round(held, 6),
+                     "async": bool(use_async)})
         return held
+
+    def _event(self, ev: dict) -> None:
+        """checkpoints/saves.rank{g}.jsonl: what each save cost (docs/checkpoint.md)."""
+        from recover_hsdp.record import JsonlAppender
+
+        ev = {**ev, "time": time.time(), "segment": self.segment}
+        self.save_times.append(ev)
+        with JsonlAppender(self.run_dir / "checkpoints" / f"saves.rank{dist.get_rank()}.jsonl",
+                           fresh=False, fsync=False) as out:
+            out.append(ev)
 
     def _finish(self, tmp: Path, final: Path, meta: dict, t0: float) -> None:
         if dist.get_rank(self.pg) != 0:
@@ -212,6 +224,8 @@ class ResilientCheckpointer:
         meta["files"] = {p.name: p.stat().st_size for p in tmp.iterdir()
                          if p.is_file() and p.name.endswith(".distcp")}
         finalize(tmp, final, meta)
+        self._event({"event": "complete", "step": int(meta["step"]),
+                     "save_to_complete_s": round(time.perf_counter() - t0, 6)})
         self.log(f"checkpoint {final} complete ({time.perf_counter() - t0:.2f} s)")
 
     def poll(self) -> None:
@@ -243,6 +257,9 @@ class ResilientCheckpointer:
         path = Path(path)
         st = read_state(path)
         mgr = self.mgr
+        if int(st["B"]) != int(mgr.policy.B):
+            raise ValueError(f"{path} was saved with B={st['B']} microbatches per step; this "
+                             f"manager has replicas x grad_accum = {mgr.policy.B}")
         state = _state_dicts(mgr)
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
         _load_state_dicts(mgr, state)
@@ -367,6 +384,16 @@ class TrainerCheckpointing(ResilientCheckpointer):
             os._exit(0)
         if self.interval and mgr.step % self.interval == 0:
             self.save(mgr.step)
+
+    def params_comparable(self) -> bool:
+        """Whether this segment's parameter snapshots have meta.json's layout (same S)."""
+        import json
+
+        try:
+            meta = json.loads((self.run_dir / "meta.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return int(meta.get("shard_size", -1)) == self.mgr.S
 
     def summary(self) -> dict:
         return {"segment": self.segment, "ckpt_saves": self.save_times,

@@ -90,6 +90,8 @@ def run_worker(cfg: Any) -> int:
     ck = _ckpt_setup(mgr, c, run_dir, fingerprint)                 # issue 14: None when off
     if ck is not None and ck.resumed is not None:
         recorder.resume_segment(ck.segment)
+        if not ck.params_comparable():      # another S than meta.json's: no snapshots to compare
+            recorder.params.every, recorder.params.final_step = 0, None
         mgr.set_failure_schedule(_ckpt_schedule(schedule, run_dir, mgr.step),
                                  before_kill=recorder.fault_fired)
     else:
