@@ -378,12 +378,20 @@ class TrainerCheckpointing(ResilientCheckpointer):
         if why is not None:
             if self.is_saver() and mgr.shard_index == 0:
                 print(why, flush=True)
-            self.save(mgr.step, sync=True)
+            self._guarded_save(mgr.step, sync=True)
             import sys
             sys.stdout.flush()
             os._exit(0)
         if self.interval and mgr.step % self.interval == 0:
-            self.save(mgr.step)
+            self._guarded_save(mgr.step)
+
+    def _guarded_save(self, step: int, sync: Optional[bool] = None) -> None:
+        # the state-dict gathers run on the saving replica's shard group: a peer dying there
+        # raises here; this rank must then leave as a fail-stop (SIGKILL), never hang or exit 1
+        try:
+            self.save(step, sync=sync)
+        except RuntimeError as e:
+            self.mgr._replica_lost(e)
 
     def params_comparable(self) -> bool:
         """Whether this segment's parameter snapshots have meta.json's layout (same S)."""

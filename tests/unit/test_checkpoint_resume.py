@@ -144,3 +144,16 @@ def test_resume_that_changes_b_tokens_or_model_is_one_line_exit_2(tmp_path, over
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     err = [ln for ln in p.stderr.splitlines() if "error" in ln]
     assert len(err) == 1 and needle in err[0], p.stderr
+
+
+def test_report_marks_resume_steps(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from recover_hsdp.record.checkpoint import append_segment
+    from recover_hsdp.tools.report import _resume_steps
+
+    append_segment(tmp_path, {"event": "start", "segment": 0, "resume_step": None})
+    append_segment(tmp_path, {"event": "end", "segment": 0})
+    append_segment(tmp_path, {"event": "start", "segment": 1, "resume_step": 4})
+    assert _resume_steps(NS(run_dir=tmp_path)) == [4]
+    assert _resume_steps(NS(run_dir=tmp_path / "missing")) == []
