@@ -163,9 +163,19 @@ class RunConfig:
     progress_timeout_s: Optional[float] = None  # also kill on no progress outside long phases
     gpus_per_node: Optional[int] = None    # GPUs per node; ranks use cuda:(local rank % it),
                                            # so several replicas may share one; null: all visible
+    # checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md)
+    ckpt_interval: int = 0                 # DCP checkpoint every N committed steps; 0: none
+    ckpt_async: bool = True                # dcp.async_save (the step does not wait for the disk)
+    resume: bool = False                   # continue run.output_dir from its newest checkpoint
+    min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
+    max_restarts: int = 3                  # automatic full-width relaunches of one launcher
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
+        for key in ("ckpt_interval", "min_replicas", "max_restarts"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                raise TrainConfigError(f"run.{key}({getattr(self, key)!r}) must be an integer "
+                                       f">= 0")
         if not _is_int(self.seed) or self.seed < 0:
             raise TrainConfigError(f"run.seed({self.seed!r}) must be an integer >= 0")
         if not _is_int(self.save_params_every) or self.save_params_every < 0:

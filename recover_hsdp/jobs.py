@@ -20,6 +20,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_TIME_LIMIT = 3
+EXIT_PREEMPTED = 4      # issue 14: stopped on SIGTERM/SIGUSR1 after a checkpoint; resume it
 EXIT_INTERRUPTED = 130
 
 LAUNCHER_DIR = "launcher"        # <run dir>/launcher/{config.yaml, command.sh, output.log}

@@ -162,12 +162,15 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         run_dir = Path(base, f"{i}_{override_dirname(swept)}") if multirun else Path(base)
         cfg = resolve_config(cfg, cwd=cwd, run_dir=run_dir, now=now)
         checked = validate(cfg)
-        if holds_run(run_dir) and not cfg.run.overwrite:
+        if holds_run(run_dir) and not cfg.run.overwrite and not cfg.run.get("resume", False):
             from recover_hsdp.config import TrainConfigError
 
             raise TrainConfigError(f"run.output_dir({str(run_dir)!r}) already holds a run: "
                                    f"choose another run.output_dir/run.name or set "
                                    f"run.overwrite=true")
+        if cfg.run.get("resume", False):   # issue 14: a checkpoint to resume from, compatible
+            from recover_hsdp.resume import check_resume_dir
+            check_resume_dir(cfg, run_dir)
         jobs.append(Job(i if multirun else None, list(ovs), swept, cfg, checked))
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):
@@ -272,6 +275,9 @@ def launch_job(job: Job) -> JobResult:
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
 
         return run_checkpoint_restart(job)
+    from recover_hsdp.resume import run_resilient, wants_supervisor   # issue 14
+    if wants_supervisor(job.cfg):
+        return run_resilient(job)
     run_dir = job.run_dir
     if job.cfg.run.overwrite and holds_run(run_dir):
         shutil.rmtree(run_dir)
@@ -360,6 +366,8 @@ def overall_exit(results: Sequence[JobResult]) -> int:
     codes = [r.exit_code for r in results]
     if EXIT_INTERRUPTED in codes:
         return EXIT_INTERRUPTED
+    if 4 in codes:      # jobs.EXIT_PREEMPTED: checkpointed on SIGTERM/SIGUSR1 (issue 14)
+        return 4
     if not codes or all(c == EXIT_OK for c in codes):
         return EXIT_OK
     return EXIT_TIME_LIMIT if all(c in (EXIT_OK, EXIT_TIME_LIMIT) for c in codes) else EXIT_FAILED

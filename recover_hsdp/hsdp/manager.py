@@ -351,6 +351,46 @@ class HSDPULFMTrainingManager:
                 f"NaN/inf gradient: stopping (optim.max_skipped_steps={self.max_skipped_steps})")
         return metrics
 
+    # --- checkpoint / resume for custom loops (issue 14; recover_hsdp/hsdp/checkpoint.py) ------
+    def checkpointer(self, run_dir, *, use_async: bool = True):
+        """The DCP checkpointer of this manager under ``run_dir``. Its first call creates one gloo
+        group per replica (a collective over the whole world): make it on EVERY rank right after
+        the manager, before any failure."""
+        from recover_hsdp.hsdp.checkpoint import ResilientCheckpointer
+
+        if getattr(self, "_ckpt", None) is None:
+            self._ckpt = ResilientCheckpointer(self, run_dir, use_async=use_async)
+        return self._ckpt
+
+    def save(self, run_dir, *, sync: bool = False) -> float:
+        """Checkpoint the state after the last committed step into
+        ``run_dir/checkpoints/step_{N}`` (N = self.step). Call on every rank at the same step;
+        the lowest alive replica writes (asynchronously unless sync). Returns seconds held."""
+        ck = self.checkpointer(run_dir)
+        ck.note_commit()
+        return ck.save(self.step, sync=sync)
+
+    def wait_saved(self) -> None:
+        """Wait for an asynchronous save to be complete on disk (call before exiting)."""
+        if getattr(self, "_ckpt", None) is not None:
+            self._ckpt.wait()
+
+    def load(self, path) -> dict:
+        """Resume from a checkpoint directory (``.../checkpoints/step_N``) or the newest complete
+        one under a run directory: model, optimizer, step, data position, RNG. The world may
+        have another replica count / shard size (B must be kept). Returns its state.json."""
+        from pathlib import Path
+
+        from recover_hsdp.record.checkpoint import latest_complete
+
+        p = Path(path)
+        if not (p / "COMPLETE").is_file():
+            found = latest_complete(p, warn=self.log)
+            if found is None:
+                raise FileNotFoundError(f"{path}: no complete checkpoint")
+            p = found[0]
+        ck = self.checkpointer(p.parent.parent)
+        return ck.load(p)
 
 def resolve_mixed_precision(mp: Any, device: torch.device) -> Any:
     """"auto" -> "bf16" on CUDA, "fp32" elsewhere; None -> "fp32"; a MixedPrecision as is."""

@@ -96,16 +96,24 @@ def run_worker(cfg: Any) -> int:
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
             else "custom", "device": str(mgr.device),
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
-    recorder.start(meta, c, schedule)
     snaps = ParamSnapshots(mgr, recorder)
     mgr.before_optimizer_step = snaps.before_optimizer_step
-    snaps.save_initial()
+    ck = _ckpt_setup(mgr, c, run_dir, fingerprint)                 # issue 14: None when off
+    if ck is not None and ck.resumed is not None:
+        recorder.resume_segment(ck.segment)
+        if not ck.params_comparable():      # another S than meta.json's: no snapshots to compare
+            recorder.params.every, recorder.params.final_step = 0, None
+        mgr.set_failure_schedule(_ckpt_schedule(schedule, run_dir, mgr.step),
+                                 before_kill=recorder.fault_fired)
+    else:
+        recorder.start(meta, c, schedule)
+        snaps.save_initial()
     log_every = int(run.get("log_every", 1) or 1)
     t_start = time.perf_counter()
     tokens = 0
     last = None
     tb = None  # TensorBoard writer of the current logging rank, when tensorboard is installed
-    for step in range(steps):
+    for step in range(mgr.step, steps):
         try:
             mt = mgr.train_step()
         except NonFiniteGradError as e:
@@ -123,10 +131,13 @@ def run_worker(cfg: Any) -> int:
             alive=mt.alive, layout=mt.layout,
             boundary=mt.boundary,
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
-            failures=mt.failures, contributions=mt.contributions, divisor=mt.divisor,
+            failures=mt.failures, divisor=mt.divisor,
+            contributions=ck.contributions(mt.contributions) if ck else mt.contributions,
             epoch=mt.epoch, extra={"skipped": True} if mt.skipped else {}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
         last = mt
+        if ck is not None:
+            ck.after_commit(steps)                 # periodic save; a stop request exits here
         if _is_logger(mgr):
             tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
             if tb:
@@ -151,7 +162,10 @@ def run_worker(cfg: Any) -> int:
         wall_time_s=wall, tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
         faults=mgr.injector.outcome(mgr.step, mgr.policy.alive),
         extra={"final_loss": getattr(last, "loss", None)
-               if math.isfinite(getattr(last, "loss", 0.0)) else None})
+               if math.isfinite(getattr(last, "loss", 0.0)) else None,
+               **(ck.summary() if ck else {})})
+    if ck is not None:
+        ck.wait()
     recorder.finish(summary)
     recorder.close()
     if _is_logger(mgr):
@@ -161,6 +175,19 @@ def run_worker(cfg: Any) -> int:
     sys.stdout.flush()
     # ULFM: a clean MPI_Finalize after failures may hang (ompi #11404); leave without it.
     os._exit(0 if mgr.step == steps else 1)
+
+
+def _ckpt_setup(mgr, c: Mapping, run_dir: Path, fingerprint: str):
+    """Checkpointing of this segment (issue 14; recover_hsdp/hsdp/checkpoint.py), or None."""
+    from recover_hsdp.hsdp.checkpoint import TrainerCheckpointing
+
+    return TrainerCheckpointing.from_config(mgr, c, run_dir, fingerprint)
+
+
+def _ckpt_schedule(schedule, run_dir: Path, start: int):
+    from recover_hsdp.hsdp.checkpoint import remaining_schedule
+
+    return remaining_schedule(schedule, run_dir, start)
 
 
 def meta_policy(c: Mapping) -> str:

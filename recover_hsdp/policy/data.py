@@ -21,6 +21,7 @@ class DataAssignment:
             raise PolicyError(f"w_init must be >= 1 (got {w_init})")
         self.w_init = w_init
         self._cursor: dict[int, int] = {r: 0 for r in range(w_init)}  # k of the next id
+        self.abandoned: dict[int, int] = {}   # dead replica -> its last cursor (checkpoints)
 
     def owner(self, microbatch_id: int) -> int:
         return microbatch_id % self.w_init
@@ -61,10 +62,11 @@ class DataAssignment:
             if r in alive:
                 self._cursor[r] += n
             else:
-                del self._cursor[r]
+                self.abandoned[r] = self._cursor.pop(r)
         return out
 
     def drop(self, replicas) -> None:
         """Forget dead replicas' slices (commit() also does this)."""
         for r in replicas:
-            self._cursor.pop(r, None)
+            if r in self._cursor:
+                self.abandoned[r] = self._cursor.pop(r)

@@ -132,6 +132,14 @@ class RunRecorder:
         write_run_files(self.run_dir, meta, config, schedule, fsync=self.fsync)
         self._steps = StepWriter(self.run_dir, self.global_rank, fsync=self.fsync)
 
+    def resume_segment(self, segment: int) -> None:
+        """A resumed launch (issue 14): keep meta/config of the first launch, append this rank's
+        steps to steps/rank{1000*segment + g}.jsonl (recover_hsdp/record/checkpoint.py)."""
+        from recover_hsdp.record.checkpoint import rank_file_offset
+
+        self._steps = StepWriter(self.run_dir, rank_file_offset(segment) + self.global_rank,
+                                 fsync=self.fsync)
+
     def commit(self, record: StepRecord | Mapping) -> dict:
         """Append this rank's line for a committed step; on disk when this returns."""
         if self._steps is None:

@@ -115,6 +115,18 @@ def _cumsum(values) -> list[int]:
 
 # -- plots ------------------------------------------------------------------------------------
 
+def _resume_steps(tl: Timeline) -> list[int]:
+    """Steps at which later segments of a resumed run started (segments.jsonl, issue 14)."""
+    from recover_hsdp.record.checkpoint import read_segments
+
+    try:
+        segs = read_segments(tl.run_dir)
+    except Exception:  # noqa: BLE001 - a marker is decoration; never fail the report on it
+        return []
+    return [int(g["resume_step"]) for g in segs
+            if g.get("event") == "start" and g.get("resume_step") is not None]
+
+
 def _plots(out: Path, timelines: list[Timeline], rep: dict, bands: list[str], fmt: str) -> None:
     import matplotlib
 
@@ -154,9 +166,11 @@ def _plots(out: Path, timelines: list[Timeline], rep: dict, bands: list[str], fm
         for ks in tl.kill_steps:
             if ks is not None:
                 ax.axvline(ks, color="red", lw=0.5, alpha=0.3)
+        for rs in _resume_steps(tl):          # issue 14: segments of a resumed run
+            ax.axvline(rs, color="black", ls=":", lw=1.0, alpha=0.7)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("Loss vs step (red lines: steps with a kill)")
+    ax.set_title("Loss vs step (red: steps with a kill; black dotted: resumes)")
     ax.legend(fontsize=8)
     save(fig, "loss")
 

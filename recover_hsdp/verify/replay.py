@@ -345,6 +345,16 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     if not n_epochs:
         note("the step records carry no per-bucket membership epochs (bucket_epochs; older "
              "trainer or synthetic run): the one-membership check was skipped")
+    # issue 14: a run resumed from checkpoints (segments.jsonl) verifies as one run; across each
+    # resume every continued slice starts exactly at the checkpoint's cursor
+    from recover_hsdp.record.checkpoint import contiguous_resume_violations, read_segments
+
+    segs = [g for g in read_segments(run_dir) if g.get("event") == "start"]
+    for s, msg in contiguous_resume_violations(steps, segs, spec.w_init)[:1]:
+        raise _Failed(s, f"step {s}: {msg}", {"kind": "record", "step": s, "message": msg})
+    if len(segs) > 1:
+        note(f"{len(segs)} segments (resumed at steps "
+             f"{[g.get('resume_step') for g in segs[1:]]}); verified as one run")
     if records_only:
         result.ok, result.exit_code = True, EXIT_OK
         result.message = (f"verify: OK  steps={len(steps)}  (records only: ids re-derived from "

@@ -1,0 +1,408 @@
+"""Checkpoint and resume of the resilient trainer with torch.distributed.checkpoint (issue 14).
+
+DCP needs gathers that the ``ulfm`` backend does not offer, and a world gloo group cannot shrink
+after a death. A replica holds the whole model across its S ranks, so ONE replica saves: the
+lowest alive one (every rank agrees on it: ``policy.alive`` after the commit), over its own gloo
+group (``ckpt_pg``: one per replica, made at start-up next to the shard groups, never used by
+FSDP, so an asynchronous save's background collectives never interleave with training). It
+writes into ``checkpoints/.tmp_step_N_s{segment}/``; when DCP is done, the group's first rank
+writes state.json, renames the directory to ``step_N`` and writes COMPLETE last (fsync'd), so a
+kill at any moment leaves nothing that looks complete (recover_hsdp/record/checkpoint.py).
+
+Resume: every replica loads over its own ckpt_pg (DCP reshards to the new shard size), the step
+and LR position come from state.json, and the data position is the cursor of every INITIAL
+slice: a replica of the new world serves one initial slice (``assign_slices``), so the run
+record keeps contributions keyed by initial slice and ``recover-hsdp verify`` checks one run.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from recover_hsdp.policy import DataAssignment, PolicyError
+from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, read_state,
+                                            tmp_path)
+
+ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
+ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
+STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
+
+
+def _state_dicts(mgr) -> dict:
+    """{"model", "optim"}: FSDP SHARDED state dicts of this rank. FSDP's optimizer state dict
+    gathers keys over the group it is given, else the WORLD (which holds other replicas, and
+    dead ranks): always the replica's own shard group here."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    _init_optim_state(mgr.optimizer)
+    with warnings.catch_warnings(), \
+            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
+        warnings.simplefilter("ignore")      # ShardedTensor / state_dict_type deprecations
+        return {"model": mgr.module.state_dict(),
+                "optim": FSDP.optim_state_dict(mgr.module, mgr.optimizer, group=mgr.shard_pg)}
+
+
+def _load_state_dicts(mgr, state: dict) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with warnings.catch_warnings(), \
+            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
+        warnings.simplefilter("ignore")
+        mgr.module.load_state_dict(state["model"])
+        osd = FSDP.optim_state_dict_to_load(mgr.module, mgr.optimizer, state["optim"],
+                                            group=mgr.shard_pg)
+        mgr.optimizer.load_state_dict(osd)
+
+
+def _stage(obj):
+    """A CPU copy of a state dict (DCP's own async stager refuses FSDP1's ShardedTensors)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    warnings.simplefilter("ignore", FutureWarning)
+
+    if isinstance(obj, ShardedTensor):
+        shards = [Shard(sh.tensor.detach().to("cpu", copy=True), sh.metadata)
+                  for sh in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _stage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_stage(v) for v in obj)
+    return obj
+
+
+class SliceDataAssignment(DataAssignment):
+    """DataAssignment of a resumed segment: replica r of THIS world serves initial slice
+    ``slice_of[r]`` of the first launch (W0 slices, ids k * W0 + slice), from its cursor."""
+
+    def __init__(self, w0: int, slice_of: Mapping[int, int], cursors: Mapping[int, int]):
+        super().__init__(max(1, len(slice_of)))
+        self.w0 = int(w0)
+        self.slice_of = {int(r): int(s) for r, s in slice_of.items()}
+        self._cursor = {r: int(cursors[s]) for r, s in self.slice_of.items()}
+
+    def owner(self, microbatch_id: int) -> int:
+        s = microbatch_id % self.w0
+        return next(r for r, x in self.slice_of.items() if x == s)
+
+    def microbatch_id(self, replica: int, position: int) -> int:
+        if replica not in self._cursor:
+            raise PolicyError(f"replica {replica} has no slice (dead or out of range)")
+        if position < 0:
+            raise PolicyError(f"position must be >= 0 (got {position})")
+        return (self._cursor[replica] + position) * self.w0 + self.slice_of[replica]
+
+
+def slice_table(mgr, w0: int, slice_of: Mapping[int, int], prev: Mapping) -> dict:
+    """{initial slice: {"cursor", "live"}} after the last commit: alive replicas' slices live
+    at their cursor, every other slice keeps its last cursor and is marked abandoned."""
+    out = {str(s): {"cursor": int(v["cursor"]), "live": False} for s, v in prev.items()}
+    data = mgr.data
+    for r, s in slice_of.items():
+        if r in getattr(data, "_cursor", {}):
+            out[str(s)]["cursor"] = int(data.cursor(r))
+        elif r in getattr(data, "abandoned", {}):
+            out[str(s)]["cursor"] = int(data.abandoned[r])
+        out[str(s)]["live"] = r in mgr.policy.alive
+    return out
+
+
+class ResilientCheckpointer:
+    """Periodic / on-demand checkpoints of a HSDPULFMTrainingManager, and its resume.
+
+    Make it on EVERY rank right after the manager (it creates one gloo group per replica: a
+    collective over the whole world, so before any failure). ``save(step)`` is a no-op on ranks
+    outside the lowest alive replica.
+    """
+
+    def __init__(self, mgr, run_dir: str | os.PathLike, *, use_async: bool = True,
+                 segment: int = 0, w0: Optional[int] = None,
+                 slice_of: Optional[Mapping[int, int]] = None, slices: Optional[Mapping] = None,
+                 identity: Optional[Mapping] = None, timeout_s: float = 300.0,
+                 log: Optional[Callable[[str], None]] = None):
+        self.mgr = mgr
+        self.run_dir = Path(run_dir)
+        self.use_async = use_async
+        self.segment = int(segment)
+        W = mgr.topo.replicas
+        self.w0 = int(w0 or W)
+        self.slice_of = dict(slice_of or {r: r for r in range(W)})
+        self.slices = dict(slices or {str(s): {"cursor": 0, "live": True}
+                                      for s in range(self.w0)})
+        self.identity = dict(identity or {})
+        self.log = log or (lambda s: None)
+        self.pending: Optional[tuple[Any, Path, Path, dict, float]] = None
+        self.save_times: list[dict] = []
+        self._pool = None
+        mine = None
+        for r in range(W):
+            g = dist.new_group(mgr.topo.replica_ranks(r), backend="gloo",
+                               timeout=timedelta(seconds=timeout_s),
+                               group_desc=f"ckpt_replica{r}")
+            if r == mgr.replica:
+                mine = g
+        self.pg = mine
+
+    # ---- saving ----------------------------------------------------------------------------
+    def note_commit(self) -> None:
+        """Call after every committed step: the data position follows the commits."""
+        self.slices = slice_table(self.mgr, self.w0, self.slice_of, self.slices)
+
+    def is_saver(self) -> bool:
+        return self.mgr.replica == min(self.mgr.policy.alive)
+
+    def _state(self, step: int) -> dict:
+        mgr = self.mgr
+        return {"format": STATE_FORMAT, "step": int(step), "slices": self.slices,
+                "w_init": self.w0, "B": int(mgr.policy.B), "segment": self.segment,
+                "shape": {"replicas": mgr.topo.replicas, "shard_size": mgr.S,
+                          "grad_accum": int(mgr.policy.g_init)},
+                "alive": [self.slice_of[r] for r in mgr.policy.alive],
+                "record": {"last_step": int(step) - 1, "segment": self.segment},
+                "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+                "time": time.time(), **self.identity}
+
+    def save(self, step: int, *, sync: Optional[bool] = None) -> float:
+        """Checkpoint the state BEFORE step ``step`` (i.e. after ``step - 1`` committed).
+        Returns the seconds the training loop was held."""
+        if not self.is_saver():
+            return 0.0
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = tmp_path(self.run_dir, step, self.segment)
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = _state_dicts(self.mgr)
+        meta = self._state(step)
+        final = ckpt_path(self.run_dir, step)
+        use_async = self.use_async if sync is None else not sync
+        if use_async:   # staged copy now; DCP (its collectives on ckpt_pg) in a thread
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+            staged = _stage(state)
+            fut = self._pool.submit(dcp.save, staged, checkpoint_id=str(tmp),
+                                    process_group=self.pg)
+            self.pending = (fut, tmp, final, meta, t0)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
+            self._finish(tmp, final, meta, t0)
+        held = time.perf_counter() - t0
+        self._event({"event": "save", "step": int(step), "held_s": round(held, 6),
+                     "async": bool(use_async)})
+        return held
+
+    def _event(self, ev: dict) -> None:
+        """checkpoints/saves.rank{g}.jsonl: what each save cost (docs/checkpoint.md)."""
+        from recover_hsdp.record import JsonlAppender
+
+        ev = {**ev, "time": time.time(), "segment": self.segment}
+        self.save_times.append(ev)
+        with JsonlAppender(self.run_dir / "checkpoints" / f"saves.rank{dist.get_rank()}.jsonl",
+                           fresh=False, fsync=False) as out:
+            out.append(ev)
+
+    def _finish(self, tmp: Path, final: Path, meta: dict, t0: float) -> None:
+        if dist.get_rank(self.pg) != 0:
+            return
+        meta["files"] = {p.name: p.stat().st_size for p in tmp.iterdir()
+                         if p.is_file() and p.name.endswith(".distcp")}
+        finalize(tmp, final, meta)
+        self._event({"event": "complete", "step": int(meta["step"]),
+                     "save_to_complete_s": round(time.perf_counter() - t0, 6)})
+        self.log(f"checkpoint {final} complete ({time.perf_counter() - t0:.2f} s)")
+
+    def poll(self) -> None:
+        """Finish an asynchronous save whose writes are done (call at step boundaries)."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        fut, tmp, final, meta, t0 = self.pending
+        self.pending = None
+        try:
+            fut.result()
+        except Exception as e:  # noqa: BLE001 - a peer of the saving replica died mid-save
+            self.log(f"warning: checkpoint step {meta['step']} abandoned: "
+                     f"{' '.join(str(e).split())[:200]}")
+            return
+        self._finish(tmp, final, meta, t0)
+
+    # ---- resume ----------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike) -> dict:
+        """Load model + optimizer on every rank (each replica over its own group; DCP reshards),
+        set the manager's step and data position. Returns state.json."""
+        import torch.distributed.checkpoint as dcp
+
+        from recover_hsdp.record.checkpoint import assign_slices
+
+        path = Path(path)
+        st = read_state(path)
+        mgr = self.mgr
+        if int(st["B"]) != int(mgr.policy.B):
+            raise ValueError(f"{path} was saved with B={st['B']} microbatches per step; this "
+                             f"manager has replicas x grad_accum = {mgr.policy.B}")
+        state = _state_dicts(mgr)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
+        _load_state_dicts(mgr, state)
+        self.w0 = int(st["w_init"])
+        self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
+        self.slice_of = assign_slices(self.slices, mgr.topo.replicas)
+        cursors = {int(s): int(v["cursor"]) for s, v in self.slices.items()}
+        mgr.data = SliceDataAssignment(self.w0, self.slice_of, cursors)
+        for s in self.slice_of.values():
+            self.slices[str(s)]["live"] = True
+        for s, v in self.slices.items():
+            if int(s) not in self.slice_of.values():
+                v["live"] = False
+        mgr.step = int(st["step"])
+        mgr.policy.iteration = int(st["step"])
+        if st.get("rng"):
+            raw = base64.b64decode(st["rng"])
+            torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        return st
+
+    def contributions(self, contributions: Mapping[int, Any]) -> dict[int, list[int]]:
+        """A step's contributions keyed by INITIAL slice (what the run record holds)."""
+        return {self.slice_of[int(r)]: list(v) for r, v in contributions.items()}
+
+
+def stop_target(run_dir: str | os.PathLike) -> Optional[int]:
+    """The step at which a stop request (SIGTERM / SIGUSR1 to the launcher) saves and exits."""
+    import json
+
+    p = Path(run_dir) / "checkpoints" / STOP_FILE
+    try:
+        return int(json.loads(p.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remaining_schedule(schedule, run_dir: str | os.PathLike, start: int):
+    """A resumed segment's failure schedule: entries before ``start`` and entries that already
+    fired (their marker exists) are dropped, so a kill fires once per run."""
+    import json
+
+    from recover_hsdp.faults import FailureSchedule
+
+    fired = []
+    d = Path(run_dir) / "faults"
+    if d.is_dir():
+        for p in d.glob("fired.rank*.json"):
+            try:
+                fired.append(json.loads(p.read_text())["entry"])
+            except (OSError, ValueError, KeyError):
+                continue
+    keep = [e for e in getattr(schedule, "entries", ())
+            if e.step >= start and e.to_dict() not in fired]
+    return FailureSchedule(keep)
+
+
+def identity_of(c: Mapping, fingerprint: str) -> dict:
+    """What a resume must keep (checked by the launcher, recover_hsdp/resume.py)."""
+    par = c["parallel"]
+    W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
+    mbs, L = int(par["micro_batch_size"]), int(par["seq_len"])
+    return {"tokens_per_step": W * G * mbs * S * L, "seq_len": L,
+            "model": dict(c["model"]), "data_fingerprint": fingerprint,
+            "optim": dict(c.get("optim") or {}), "run_seed": int(c["run"].get("seed", 0)),
+            "steps": int(c["run"]["steps"])}
+
+
+class TrainerCheckpointing(ResilientCheckpointer):
+    """The trainer's use of the checkpointer: interval, stop requests, min_replicas."""
+
+    resumed: Optional[dict] = None
+
+    @classmethod
+    def from_config(cls, mgr, c: Mapping, run_dir: Path, fingerprint: str):
+        run = c["run"]
+        interval = int(run.get("ckpt_interval", 0) or 0)
+        resume_from = os.environ.get(ENV_RESUME_FROM) or None
+        min_rep = int(run.get("min_replicas", 0) or 0)
+        if not (interval or resume_from or min_rep or run.get("resume")):
+            return None
+        self = cls(mgr, run_dir, use_async=bool(run.get("ckpt_async", True)),
+                   segment=int(os.environ.get(ENV_SEGMENT, "0") or 0),
+                   identity=identity_of(c, fingerprint),
+                   log=lambda s: print(f"[rank {mgr.rank}] {s}", flush=True)
+                   if mgr.shard_index == 0 and mgr.replica == min(mgr.policy.alive) else None)
+        self.interval, self.min_replicas = interval, min_rep
+        if resume_from:
+            t0 = time.perf_counter()
+            self.resumed = self.load(resume_from)
+            fp = self.resumed.get("data_fingerprint")
+            if fp is not None and fp != fingerprint:
+                if mgr.rank == 0:
+                    print(f"recover-hsdp train: error: cannot resume from {resume_from}: the "
+                          f"data differ (checkpoint {fp!r}, this config {fingerprint!r})",
+                          flush=True)
+                os._exit(2)
+            if mgr.rank == min(mgr.topo.replica_ranks(0)):
+                print(f"resumed from {resume_from} at step {mgr.step} in "
+                      f"{time.perf_counter() - t0:.2f} s (segment {self.segment}; replica -> "
+                      f"initial slice {self.slice_of})", flush=True)
+        return self
+
+    def after_commit(self, steps: int) -> None:
+        mgr = self.mgr
+        self.note_commit()
+        self.poll()
+        if mgr.step >= steps:
+            return
+        target = stop_target(self.run_dir)
+        why = None
+        if target is not None and mgr.step >= target:
+            why = f"stop requested (SIGTERM/SIGUSR1): checkpoint at step {mgr.step}, then exit"
+        elif self.min_replicas and len(mgr.policy.alive) < self.min_replicas:
+            why = (f"{len(mgr.policy.alive)} replicas alive < run.min_replicas"
+                   f"({self.min_replicas}): checkpoint at step {mgr.step}, relaunch at full width")
+        if why is not None:
+            if self.is_saver() and mgr.shard_index == 0:
+                print(why, flush=True)
+            self._guarded_save(mgr.step, sync=True)
+            import sys
+            sys.stdout.flush()
+            os._exit(0)
+        if self.interval and mgr.step % self.interval == 0:
+            self._guarded_save(mgr.step)
+
+    def _guarded_save(self, step: int, sync: Optional[bool] = None) -> None:
+        # the state-dict gathers run on the saving replica's shard group: a peer dying there
+        # raises here; this rank must then leave as a fail-stop (SIGKILL), never hang or exit 1
+        try:
+            self.save(step, sync=sync)
+        except RuntimeError as e:
+            self.mgr._replica_lost(e)
+
+    def params_comparable(self) -> bool:
+        """Whether this segment's parameter snapshots have meta.json's layout (same S)."""
+        import json
+
+        try:
+            meta = json.loads((self.run_dir / "meta.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return int(meta.get("shard_size", -1)) == self.mgr.S
+
+    def summary(self) -> dict:
+        return {"segment": self.segment, "ckpt_saves": self.save_times,
+                "resumed_from_step": None if self.resumed is None else self.resumed["step"]}

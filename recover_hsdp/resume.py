@@ -1,0 +1,282 @@
+"""The launcher side of checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md).
+
+`recover-hsdp train` hands a job here (instead of one plain launch) when run.ckpt_interval > 0,
+run.resume=true or run.min_replicas > 0. One policy decides what happens when a segment (one
+mpirun) ends:
+
+    every step committed                  -> done (exit 0)
+    a stop request was served             -> exit 4 (EXIT_PREEMPTED): SIGTERM / SIGUSR1 / SIGINT
+       (the launcher wrote checkpoints/STOP, the ranks saved at that step and left cleanly)
+    otherwise (all replicas lost, alive < run.min_replicas, a crash)
+                                          -> relaunch at FULL width (this job's shape) from the
+                                             newest complete checkpoint, up to run.max_restarts
+                                             times; then exit 1
+
+Each launch is a segment: segments.jsonl gets a "start" line before mpirun (shape, resume step,
+checkpoint, cursors) and an "end" line after it (rc, outcome, resume time launch -> first
+commit). Before a resume, step lines past the checkpoint are moved to steps/discarded/ so every
+step is committed once in the run record.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED,  # noqa: F401
+                               EXIT_TIME_LIMIT, LAUNCHER_DIR,
+                               PROG, JobResult, baseline_name, holds_run, job_command, job_env,
+                               print_error)
+
+
+
+def wants_supervisor(cfg) -> bool:
+    r = cfg.run
+    return baseline_name(cfg) == "none" and (int(r.get("ckpt_interval", 0) or 0) > 0
+                                             or bool(r.get("resume", False))
+                                             or int(r.get("min_replicas", 0) or 0) > 0)
+
+
+def _plain(x: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
+
+
+def check_resume(cfg, st: dict, path: Path) -> str | None:
+    """Why this config cannot resume from checkpoint ``st`` (one line), or None."""
+    par = cfg.parallel
+    W, S, G = int(par.replicas), int(par.shard_size), int(par.grad_accum)
+    mbs, L = int(par.micro_batch_size), int(par.seq_len)
+    B = W * G
+    if B != int(st["B"]):
+        return (f"cannot resume from {path}: it was saved with B={st['B']} microbatches per step "
+                f"(W_init x G_init), this config has parallel.replicas({W}) x "
+                f"parallel.grad_accum({G}) = {B}")
+    tps = B * mbs * S * L
+    if tps != int(st.get("tokens_per_step", tps)):
+        return (f"cannot resume from {path}: it was saved with {st['tokens_per_step']} tokens per "
+                f"step, this config has B({B}) x parallel.micro_batch_size({mbs}) x "
+                f"parallel.shard_size({S}) x parallel.seq_len({L}) = {tps} (keep "
+                f"micro_batch_size x shard_size constant)")
+    if W > int(st["w_init"]):
+        return (f"cannot resume from {path}: parallel.replicas({W}) is wider than the first "
+                f"launch's W_init({st['w_init']}) (one initial data slice per replica)")
+    for key, mine in (("model", _plain(cfg.model)), ("optim", _plain(cfg.get("optim", {}))),
+                      ("steps", int(cfg.run.steps)), ("run_seed", int(cfg.run.seed))):
+        if key in st and st[key] != mine:
+            name = {"run_seed": "run.seed", "steps": "run.steps"}.get(key, key)
+            if isinstance(mine, dict) and isinstance(st[key], dict):
+                diff = [f"{name}.{k}: {_short(st[key].get(k), 30)} -> {_short(mine.get(k), 30)}"
+                        for k in sorted(set(st[key]) | set(mine)) if st[key].get(k) != mine.get(k)]
+                return (f"cannot resume from {path}: the config changes what the run trained "
+                        f"({'; '.join(diff[:4])})")
+            return (f"cannot resume from {path}: {name} differs from the run that saved it "
+                    f"({_short(st[key])} -> {_short(mine)})")
+    return None
+
+
+def check_resume_dir(cfg, run_dir: Path) -> None:
+    """Before anything starts: run.resume=true needs a complete, compatible checkpoint
+    (TrainConfigError, one line, exit 2). A broken newer checkpoint is skipped with a warning."""
+    from recover_hsdp.config import TrainConfigError
+    from recover_hsdp.record.checkpoint import latest_complete
+
+    found = latest_complete(run_dir, warn=lambda m: print(f"[{PROG}] warning: {m}", flush=True))
+    if found is None:
+        raise TrainConfigError(f"run.resume=true: {run_dir} holds no complete checkpoint "
+                               f"(checkpoints/step_N/COMPLETE); nothing to resume")
+    why = check_resume(cfg, found[1], found[0])
+    if why:
+        raise TrainConfigError(why)
+
+
+def _short(v: Any, n: int = 80) -> str:
+    t = json.dumps(v, sort_keys=True, default=str)
+    return t if len(t) <= n else t[:n - 3] + "..."
+
+
+def _last_step(run_dir: Path) -> int:
+    from recover_hsdp.record import read_jsonl
+    from recover_hsdp.record.steps import rank_files
+
+    last = -1
+    for p in rank_files(run_dir).values():
+        recs, _ = read_jsonl(p)
+        if recs:
+            last = max(last, int(recs[-1]["step"]))
+    return last
+
+
+def request_stop(run_dir: Path, signame: str) -> int:
+    """Ask the ranks to checkpoint and leave: checkpoints/STOP = {"step": last committed + 3}
+    (ranks are at most one step apart; the margin covers a rank between two boundaries)."""
+    from recover_hsdp.record import atomic_write
+
+    target = _last_step(run_dir) + 3
+    atomic_write(run_dir / "checkpoints" / "STOP",
+                 (json.dumps({"step": target, "signal": signame, "time": time.time()}) + "\n"
+                  ).encode())
+    print(f"[{PROG}] {signame}: the ranks checkpoint at step {target} and exit "
+          f"(exit code {EXIT_PREEMPTED}; resume with run.resume=true)", flush=True)
+    return target
+
+
+def _first_commit_time(run_dir: Path, segment: int) -> float | None:
+    from recover_hsdp.record import read_jsonl
+    from recover_hsdp.record.checkpoint import rank_file_offset
+    from recover_hsdp.record.steps import rank_files
+
+    lo, hi = rank_file_offset(segment), rank_file_offset(segment + 1)
+    ts = []
+    for g, p in rank_files(run_dir).items():
+        if lo <= g < hi:
+            recs, _ = read_jsonl(p)
+            if recs:
+                ts.append(float(recs[0].get("local", {}).get("time", 0.0)))
+    return min(ts) if ts else None
+
+
+def run_resilient(job) -> JobResult:
+    """Launch (and relaunch, and resume) one resilient job; see the module docstring."""
+    from omegaconf import OmegaConf
+
+    from recover_hsdp.hsdp.checkpoint import ENV_RESUME_FROM, ENV_SEGMENT
+    from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+    from recover_hsdp.launch import default_store_host, run_job
+    from recover_hsdp.record import RecordError, read_run
+    from recover_hsdp.record.checkpoint import (append_segment, latest_complete,
+                                                read_segments, truncate_steps)
+
+    cfg, run_dir = job.cfg, job.run_dir
+    steps = int(cfg.run.steps)
+    res = JobResult(job, "failed", EXIT_FAILED, steps)
+    if cfg.run.overwrite and not cfg.run.resume and holds_run(run_dir):
+        shutil.rmtree(run_dir)
+
+    def warn(m: str) -> None:
+        print(f"[{PROG}] warning: {m}", flush=True)
+
+    resume = None
+    if cfg.run.resume:
+        resume = latest_complete(run_dir, warn=warn)
+        if resume is None:
+            print_error(f"run.resume=true: {run_dir} holds no complete checkpoint "
+                        f"(checkpoints/step_N/COMPLETE); nothing to resume")
+            res.exit_code, res.note = EXIT_CONFIG, "no checkpoint to resume from"
+            return res
+        why = check_resume(cfg, resume[1], resume[0])
+        if why:
+            print_error(why)
+            res.exit_code, res.note = EXIT_CONFIG, why
+            return res
+    ldir = run_dir / LAUNCHER_DIR
+    ldir.mkdir(parents=True, exist_ok=True)
+    host = cfg.run.store_host or default_store_host()
+    stop: dict[str, Any] = {}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        if "target" not in stop:
+            stop["target"] = request_stop(run_dir, signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    restarts, t_begin = 0, time.monotonic()
+    reason = "resume" if resume else "start"
+    try:
+        while True:
+            (run_dir / "checkpoints" / "STOP").unlink(missing_ok=True)
+            segs = [s for s in read_segments(run_dir) if s.get("event") == "start"]
+            k = len(segs) if segs or not (run_dir / "steps").is_dir() else 1
+            start_step, cursors = 0, None
+            if resume is not None:
+                start_step = int(resume[1]["step"])
+                cursors = {s: v["cursor"] for s, v in resume[1]["slices"].items()}
+                moved = truncate_steps(run_dir, start_step, k)
+                if moved:
+                    print(f"[{PROG}] resume at step {start_step}: {moved} step lines past the "
+                          f"checkpoint moved to steps/discarded/", flush=True)
+            seg_cfg = ldir / (f"config.seg{k}.yaml" if k else "config.yaml")
+            OmegaConf.save(cfg, seg_cfg, resolve=True)
+            launch_time = time.time()
+            append_segment(run_dir, {
+                "event": "start", "segment": k, "launch_time": launch_time, "reason": reason,
+                "resume_step": start_step if resume is not None else None,
+                "checkpoint": str(resume[0]) if resume is not None else None,
+                "cursors": cursors, "replicas": int(cfg.parallel.replicas),
+                "shard_size": int(cfg.parallel.shard_size),
+                "grad_accum": int(cfg.parallel.grad_accum),
+                "micro_batch_size": int(cfg.parallel.micro_batch_size)})
+            with serve_store(host) as store:
+                env = job_env(job, store)
+                env[ENV_SEGMENT] = str(k)
+                extra = ["-x", ENV_SEGMENT]
+                if resume is not None:
+                    env[ENV_RESUME_FROM] = str(resume[0])
+                    extra += ["-x", ENV_RESUME_FROM]
+                cmd = job_command(job, seg_cfg, env)
+                cmd = cmd[:1] + extra + cmd[1:]
+                (ldir / f"command.seg{k}.sh").write_text(shlex.join(cmd) + "\n")
+                print(f"[{PROG}] segment {k} ({reason}): {shlex.join(cmd)}", flush=True)
+                box: dict[str, Any] = {}
+                limit = (None if cfg.run.time_limit_s is None else
+                         max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
+                th = threading.Thread(target=lambda: box.update(out=run_job(
+                    cmd, env, log_path=ldir / "output.log", time_limit_s=limit)))
+                th.start()
+                while th.is_alive():
+                    th.join(0.2)
+            outcome = box.get("out")
+            first = _first_commit_time(run_dir, k)
+            try:
+                committed = set(read_run(run_dir).steps)
+            except RecordError as e:
+                committed = set()
+                res.note = f"no usable run record ({' '.join(str(e).split())})"
+            done = set(range(steps)) <= committed
+            status = ("completed" if done else "stopped" if "target" in stop else
+                      (outcome.stopped if outcome and outcome.stopped else "incomplete"))
+            append_segment(run_dir, {
+                "event": "end", "segment": k, "end_time": time.time(),
+                "rc": getattr(outcome, "returncode", None), "outcome": status,
+                "steps_committed": len(committed),
+                "resume_time_s": None if first is None else round(first - launch_time, 3)})
+            res.steps_committed = len(committed & set(range(steps)))
+            res.last_step = max(committed) if committed else None
+            res.launcher_wall_s = time.monotonic() - t_begin
+            if done:
+                res.status, res.exit_code = "ok", EXIT_OK
+                res.note = f"{k + 1} segment(s); {restarts} automatic relaunch(es)"
+                break
+            if "target" in stop:
+                got = latest_complete(run_dir, warn=warn)
+                ok = got is not None and int(got[1]["step"]) >= stop["target"] - 3
+                res.status, res.exit_code = ("preempted", EXIT_PREEMPTED) if ok else \
+                    ("interrupted", EXIT_FAILED)
+                res.note = (f"stopped on request; checkpoint {got[0] if got else None}: "
+                            f"resume with run.resume=true")
+                break
+            if outcome is not None and outcome.stopped == "time_limit":
+                res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
+                break
+            resume = latest_complete(run_dir, warn=warn)
+            if restarts >= int(cfg.run.max_restarts) or resume is None:
+                res.status = "incomplete" if committed else "failed"
+                res.note = (f"segment {k} ended with {len(committed)}/{steps} steps committed; "
+                            + ("no complete checkpoint to relaunch from" if resume is None else
+                               f"run.max_restarts({cfg.run.max_restarts}) relaunches used"))
+                break
+            restarts += 1
+            reason = f"relaunch {restarts} at full width"
+            print(f"[{PROG}] segment {k} ended with {len(committed)}/{steps} steps committed: "
+                  f"{reason} from {resume[0]}", flush=True)
+    except (OSError, RuntimeError) as e:
+        res.note = f"could not launch: {' '.join(str(e).split())}"
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return res
