@@ -104,7 +104,9 @@ class ModelConfig:
         import yaml
 
         with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {})
+            d = yaml.safe_load(f) or {}
+        d.pop("defaults", None)  # Hydra's composition list (e.g. llama_1b selects optim=llama)
+        return cls.from_dict(d)
 
 
 # LLaMA-3.2-1B's shape (16 layers, d_model 2048, 32 heads / 8 KV heads, FFN 8192, tied
