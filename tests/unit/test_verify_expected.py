@@ -201,3 +201,12 @@ def test_bucket_epochs_check():
     bad, _ = check_bucket_epochs(stale, steps)
     assert bad and bad[0].step == 1 and "rank 2" in bad[0].message
     assert check_bucket_epochs({0: {0: {"wall_s": 1.0}}}, steps) == ([], 0)   # older records
+
+
+def test_bucket_epochs_of_a_case_b_step_are_the_old_membership():
+    from recover_hsdp.verify.records import check_bucket_epochs
+
+    steps = {2: SimpleNamespace(epoch=2, failures=[{"replicas": [1], "case_b": True}])}
+    assert check_bucket_epochs({2: {0: {"bucket_epochs": [[1], [1]]}}}, steps)[0] == []
+    steps[2].failures[0]["case_b"] = False
+    assert check_bucket_epochs({2: {0: {"bucket_epochs": [[1], [1]]}}}, steps)[0]
