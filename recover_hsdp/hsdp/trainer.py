@@ -125,6 +125,7 @@ def run_worker(cfg: Any) -> int:
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
             "restore_enabled": mgr.restore_enabled, "processes_per_replica": S,
+            "device": mgr.device.type,
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
     recorder.start(meta, c, schedule)
     recorder.save_initial_params(_shards(mgr))

@@ -372,6 +372,14 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                           "; no replay, parameters NOT compared)")
         return
 
+    run_device = str((record.meta or {}).get("device") or "cpu")
+    if run_device.split(":")[0] != "cpu" and str(device).split(":")[0] == "cpu":
+        raise VerifyInputError(
+            f"this run trained on {run_device} (meta.device): a CPU replay cannot judge it "
+            f"honestly (different kernels, TF32/bf16 arithmetic; the tolerances are calibrated "
+            f"for fp32 CPU): run verify --device cuda on the same device kind, or "
+            f"--records-only")
+
     import torch
 
     from recover_hsdp.data import Tokenizer, build_microbatch_source
