@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 FAULTS = ("extra_mb", "drop_mb", "double_mb", "stale_buckets")
-SHAPES = {4: (2, 2), 64: (8, 8), 512: (16, 32)}   # B -> (W, G)
+SHAPES = {4: (2, 2), 8: (4, 2), 64: (8, 8), 512: (16, 32)}   # B -> (W, G)
 
 
 def run_case(root: Path, B: int, optim: str, fault: str | None, *, steps: int = 3,
