@@ -57,11 +57,15 @@ class OptimConfig:
     total_steps: Optional[int] = None   # cosine horizon; None = run.steps
     grad_clip: Optional[float] = None   # clip the global gradient norm to this; None/0 = off
     max_skipped_steps: int = 3          # stop after this many non-finite-gradient steps in a row
+    name: str = "adamw"                 # "adamw" | "sgd" (plain SGD, no momentum: verify's
+                                        # sensitivity table, where AdamW hides a gradient's scale)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise OptimConfigError(f"optim.{msg}")
 
+        if self.name not in ("adamw", "sgd"):
+            bad(f"name({self.name!r}) must be 'adamw' or 'sgd'")
         for key in ("lr", "eps"):
             v = getattr(self, key)
             if not _is_real(v) or not v > 0:
@@ -191,6 +195,8 @@ def build_optimizer(named_params: Iterable[Tuple[str, Any]], cfg: Any):
     groups = param_groups(named_params, cfg.weight_decay)
     if not groups[0]["params"] and not groups[1]["params"]:
         raise ValueError("build_optimizer: no trainable parameters")
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.0)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
                              weight_decay=cfg.weight_decay)
 

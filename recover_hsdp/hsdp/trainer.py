@@ -94,7 +94,7 @@ def run_worker(cfg: Any) -> int:
             "policy": str(c.get("policy", {}).get("name", "static")),
             "restore_enabled": mgr.restore_enabled, "processes_per_replica": S,
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
-            else "custom", "device": str(mgr.device),
+            else "custom", "device": mgr.device.type,
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
     snaps = ParamSnapshots(mgr, recorder)
     mgr.before_optimizer_step = snaps.before_optimizer_step

@@ -3,7 +3,9 @@
     recover-hsdp verify runs/demo                    # one line per step, then the verdict
     recover-hsdp verify runs/demo --quiet --every 50 --json verify.json
     recover-hsdp verify runs/demo --atol 1e-5        # fixed tolerance instead of the derived one
-    recover-hsdp verify runs/demo --records-only     # record invariants only (no torch replay)
+    recover-hsdp verify runs/demo --records-only     # record invariants, ids re-derived from the
+                                                     # failure events, one membership per step
+                                                     # (no torch replay)
     recover-hsdp verify runs/demo --no-anchor        # one trajectory from the init, never re-synced
 
 Exit status: 0 verified; 1 the run violates the contract (a record invariant, or parameters
@@ -50,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="also replay a twin in the HSDP summation order and widen each "
                         "tolerance to K times the twin's difference (sparse snapshots, "
                         "unstable training; twice the compute; K=10 is a sensible value)")
+    p.add_argument("--no-strict", dest="strict", action="store_false",
+                   help="skip the strict per-coordinate check (float64 step from the run's "
+                        "previous parameters with a derived bound; applied wherever the "
+                        "previous step has a snapshot)")
+    p.add_argument("--c-strict", type=float, default=None,
+                   help="C of the strict check's gradient bound C*eps32*sum|g_i|/B "
+                        "(default 1024)")
     p.add_argument("--one-copy", action="store_true",
                    help="compare only the lowest replica's copy of each shard (default: every "
                         "surviving replica's copy, and check that they agree)")
@@ -77,8 +86,10 @@ def _step_line(rep) -> str:
         return f"{head}  replayed ({rep.seconds:.2f}s)"
     copies = (f"  copies={rep.copies}" + (f" (agree {_fmt(rep.copies_max_diff)})"
                                           if rep.copies_max_diff is not None else ""))
+    strict = "" if rep.strict_ratio is None else f"  strict={_fmt(rep.strict_ratio)}"
     return (f"{head}  max_abs={_fmt(rep.max_abs)}  max_rel={_fmt(rep.max_rel)}  "
-            f"rms={_fmt(rep.max_rms)}  tol={_fmt(rep.tol)}  rms_tol={_fmt(rep.rms_tol)}{copies}  "
+            f"rms={_fmt(rep.max_rms)}  tol={_fmt(rep.tol)}  rms_tol={_fmt(rep.rms_tol)}"
+            f"{strict}{copies}  "
             f"{'ok' if rep.ok else 'FAIL'} ({rep.seconds:.2f}s)")
 
 
@@ -111,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             c_rms=args.c_rms, rms_atol=args.rms_tol, rel_floor=args.rel_floor,
                             device=args.device, until=args.until, anchor=args.anchor,
                             all_copies=not args.one_copy, envelope=args.envelope,
-                            records_only=args.records_only, on_step=on_step, on_note=on_note,
+                            records_only=args.records_only, strict=args.strict,
+                            c_strict=args.c_strict, on_step=on_step, on_note=on_note,
                             on_header=lambda text: print(text, file=out, flush=True))
     except KeyboardInterrupt:
         print("verify: interrupted", file=sys.stderr)

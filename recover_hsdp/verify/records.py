@@ -96,7 +96,10 @@ def check_bucket_epochs(local: Mapping[int, Mapping[int, Mapping]], steps: Mappi
     out: list[Violation] = []
     checked = 0
     for s in sorted(local):
-        step_epoch = getattr((steps or {}).get(s), "epoch", None) if steps else None
+        rec = (steps or {}).get(s)
+        step_epoch = getattr(rec, "epoch", None)
+        if any(f.get("case_b") for f in (getattr(rec, "failures", None) or [])):
+            step_epoch = None   # case (b): reduced under the membership BEFORE the repair
         bad = []
         for rank in sorted(local[s]):
             be = (local[s][rank] or {}).get("bucket_epochs")

@@ -55,6 +55,7 @@ class StepReport:
     rms_tol: float | None = None
     reason: str | None = None             # element | rms | copies (when not ok)
     envelope: tuple | None = None         # (max_abs, max_rms) of the HSDP-order twin (--envelope)
+    strict_ratio: float | None = None     # strict check: max over coordinates of |diff| / bound
     ok: bool = True
     where: str | None = None              # location of max_abs: "shard j, param fqn[idx]"
     seconds: float = 0.0
@@ -72,6 +73,8 @@ class VerifyResult:
     max_abs: float = 0.0
     max_rel: float = 0.0
     max_rms: float = 0.0
+    max_strict: float | None = None       # largest strict |diff| / bound (None: never applied)
+    steps_strict: int = 0                 # steps judged by the strict per-coordinate bound
     tol: float | None = None              # element tolerance at the last replayed step
     rms_tol: float | None = None          # per-flat-parameter RMS tolerance at the last step
     tolerance: str = ""
@@ -169,6 +172,20 @@ class _Comparator:
                     p = state[slot.fqn]
                     p.copy_(full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(p))
         return True
+
+    def run_params(self, step: int) -> dict:
+        """The run's parameters of ``step`` by fqn (lowest replica's copy of every shard)."""
+        torch = self.torch
+        copies = param_copies(self.spec.run_dir, step)
+        S = self.spec.shard_size
+        shards = [load_params(self.spec.run_dir, step, j, replica=min(copies[j]), check=False)
+                  for j in range(S)]
+        out = {}
+        for i, fl in enumerate(self.spec.layout):
+            full = torch.cat([shards[j][f"flat{i}"].reshape(-1) for j in range(S)])
+            for slot in fl.params:
+                out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return out
 
     def compare(self, model, step: int, tol: float, rtol: float,
                 rms_tol: float | None = None) -> StepReport:
@@ -275,6 +292,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
                device: str = "cpu", until: int | None = None, records_only: bool = False,
                anchor: bool = True, all_copies: bool = True, envelope: float | None = None,
+               strict: bool = True, c_strict: float | None = None,
                on_step: Callable[[StepReport], None] | None = None,
                on_note: Callable[[str], None] | None = None,
                on_header: Callable[[str], None] | None = None) -> VerifyResult:
@@ -304,7 +322,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                                                             rms_atol=rms_atol, rtol=rtol),
                 rel_floor=rel_floor, device=device, until=until, records_only=records_only,
                 anchor=anchor, all_copies=all_copies, envelope=envelope, on_step=on_step,
-                on_header=on_header)
+                on_header=on_header, strict=strict, c_strict=c_strict)
     except _Failed as f:
         result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
         result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
@@ -320,7 +338,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
 
 def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
             until, records_only, anchor, all_copies, on_step, on_header=None,
-            envelope=None) -> None:
+            envelope=None, strict=True, c_strict=None) -> None:
     spec = RunSpec.load(run_dir)
     record = spec.record
     steps = record.steps
@@ -342,9 +360,8 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     for v in bad_epochs:
         raise _Failed(v.step, f"step {v.step}: {v.message}",
                       {"kind": "bucket_epochs", "step": v.step, "message": v.message})
-    if not n_epochs:
-        note("the step records carry no per-bucket membership epochs (bucket_epochs; older "
-             "trainer or synthetic run): the one-membership check was skipped")
+    no_epochs_note = ("the step records carry no per-bucket membership epochs (bucket_epochs; "
+                      "an older trainer): the one-membership check was skipped")
     # issue 14: a run resumed from checkpoints (segments.jsonl) verifies as one run; across each
     # resume every continued slice starts exactly at the checkpoint's cursor
     from recover_hsdp.record.checkpoint import contiguous_resume_violations, read_segments
@@ -356,12 +373,22 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         note(f"{len(segs)} segments (resumed at steps "
              f"{[g.get('resume_step') for g in segs[1:]]}); verified as one run")
     if records_only:
+        if not n_epochs:
+            note(no_epochs_note)
         result.ok, result.exit_code = True, EXIT_OK
         result.message = (f"verify: OK  steps={len(steps)}  (records only: ids re-derived from "
                           f"the failure events" + (", one membership per step" if n_epochs
                                                    else "") +
                           "; no replay, parameters NOT compared)")
         return
+
+    run_device = str((record.meta or {}).get("device") or "cpu")
+    if run_device.split(":")[0] != "cpu" and str(device).split(":")[0] == "cpu":
+        raise VerifyInputError(
+            f"this run trained on {run_device} (meta.device): a CPU replay cannot judge it "
+            f"honestly (different kernels, TF32/bf16 arithmetic; the tolerances are calibrated "
+            f"for fp32 CPU): run verify --device cuda on the same device kind, or "
+            f"--records-only")
 
     import torch
 
@@ -411,6 +438,13 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         twin = (twin_model, build_optimizer(twin_model.named_parameters(), spec.optim_cfg),
                 [p for p in twin_model.parameters() if p.requires_grad])
     comparator = _Comparator(spec, rel_floor, all_copies)
+    strict_chk = None
+    if strict:
+        from recover_hsdp.verify.strict import C_STRICT, StrictCheck
+
+        strict_chk = StrictCheck(params, [n for n, p in model.named_parameters()
+                                          if p.requires_grad], spec.optim_cfg,
+                                 C_STRICT if c_strict is None else c_strict)
     covered = {slot.fqn for fl in spec.layout for slot in fl.params}
     uncovered = [n for n, _ in model.named_parameters() if n not in covered]
     if uncovered:
@@ -447,7 +481,10 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                      f"({sum(p.numel() for p in params)} params) tolerance: {result.tolerance}")
     if on_header is not None:
         on_header(result.header)
+    if not n_epochs:
+        note(no_epochs_note)
 
+    prev_is_run = INIT_STEP in saved   # the replay starts from the run's own parameters
     if INIT_STEP in saved:
         rep = comparator.compare(model, INIT_STEP, 0.0, 0.0)
         if not rep.ok:
@@ -462,7 +499,8 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     for s in range(0, last + 1):
         t1 = time.perf_counter()
         rec = steps[s]
-        _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, s)
+        _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, s,
+                     strict=strict_chk)
         lr = float(lr_at(s, spec.optim_cfg))
         if twin is not None:
             _replay_step(twin[0], twin[1], twin[2], rec, source, dev, spec, lr_at, set_lr, s,
@@ -478,6 +516,15 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         if s in saved:
             rep = comparator.compare(model, s, el_tol, tol.rtol, bulk_tol)
             rep.envelope = env
+            if strict_chk is not None and prev_is_run:
+                ratio, where, d = strict_chk.check(comparator.run_params(s))
+                rep.strict_ratio = ratio
+                result.steps_strict += 1
+                result.max_strict = max(result.max_strict or 0.0, ratio)
+                if rep.ok and ratio > 1.0:
+                    rep.ok, rep.reason = False, "strict"
+                    rep.where = (f"{where}: |diff| {d:.3g} = {ratio:.3g} x its derived bound "
+                                 f"(strict per-coordinate check)")
             result.steps_compared += 1
             result.max_abs = max(result.max_abs, rep.max_abs or 0.0)
             result.max_rel = max(result.max_rel, rep.max_rel or 0.0)
@@ -499,6 +546,9 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                         f"tol {_fmt(el_tol)}")
             elif rep.reason == "copies":
                 what = f"step {s} ({rep.where}): tol {_fmt(el_tol)}"
+            elif rep.reason == "strict":
+                what = (f"step {s} ({rep.where}); max_abs={_fmt(rep.max_abs)} within tol "
+                        f"{_fmt(el_tol)}, RMS {_fmt(rep.max_rms)} within {_fmt(bulk_tol)}")
             else:
                 what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
                         f"{_fmt(el_tol)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
@@ -511,21 +561,27 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
             raise _Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
                                     "where": rep.where, "max_abs": rep.max_abs,
                                     "max_rel": rep.max_rel, "max_rms": rep.max_rms,
-                                    "tol": el_tol, "rms_tol": bulk_tol})
+                                    "tol": el_tol, "rms_tol": bulk_tol,
+                                    "strict_ratio": rep.strict_ratio})
+        prev_is_run = False
         if anchor and rep.compared and comparator.load_into(model, s):
             if twin is not None:
                 comparator.load_into(twin[0], s)
             tol.reset_window()
+            prev_is_run = True
     result.ok, result.exit_code = True, EXIT_OK
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
     result.message = (f"verify: OK  steps={result.steps_replayed}  "
                       f"compared={result.steps_compared}  max_abs={result.max_abs:.3g}  "
                       f"max_rel={result.max_rel:.3g}  max_rms={result.max_rms:.3g}  "
-                      f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}{partial}")
+                      f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}"
+                      + (f"  strict={result.steps_strict} steps, max |diff|/bound "
+                         f"{_fmt(result.max_strict)}" if result.steps_strict else
+                         "  strict=0 steps") + partial)
 
 
 def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, step,
-                 hsdp_order: bool = False) -> None:
+                 hsdp_order: bool = False, strict=None) -> None:
     """One committed step: sum of the recorded microbatches' gradients / divisor, AdamW step.
 
     Replay order: replica-ascending, id order, each microbatch's S*mbs rows at once, accumulated
@@ -548,8 +604,24 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
 
     norm = spec.tokens_per_microbatch
     optimizer.zero_grad(set_to_none=True)
+    if strict is not None:
+        strict.begin_step()
     with torch.enable_grad():
-        if not hsdp_order:
+        if not hsdp_order and strict is not None:
+            # per-microbatch gradients (for sum |g_i|), accumulated in .grad as backward() does
+            for r in sorted(rec.contributions):
+                for mb_id in rec.contributions[r]:
+                    x, y = get(r, mb_id)
+                    loss = next_token_loss(model(x), y, tokens_per_microbatch=norm)
+                    gs = torch.autograd.grad(loss, params, allow_unused=True)
+                    strict.add_microbatch(gs)
+                    for p, g in zip(params, gs):
+                        if g is not None:
+                            if p.grad is None:
+                                p.grad = g
+                            else:
+                                p.grad.add_(g)
+        elif not hsdp_order:
             for r in sorted(rec.contributions):
                 for mb_id in rec.contributions[r]:
                     x, y = get(r, mb_id)
@@ -581,6 +653,8 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
     set_lr(optimizer, float(lr_at(step, spec.optim_cfg)))
     if (rec.extra or {}).get("skipped") or nonfinite:
         return  # the run committed this step without an optimizer update
+    if strict is not None:
+        strict.prepare(optimizer, rec.divisor)
     optimizer.step()
 
 

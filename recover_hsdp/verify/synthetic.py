@@ -47,7 +47,10 @@ from recover_hsdp.policy import AdaptiveWorldPolicy, DataAssignment, StaticWorld
 from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
 from recover_hsdp.optim import OptimConfig, build_optimizer, clip_grads_, lr_at, set_lr
 
-CORRUPTIONS = ("stale_buckets", "double_replica", "swap_id", "scale")
+CORRUPTIONS = ("stale_buckets", "double_replica", "swap_id", "scale", "extra_mb", "drop_mb",
+               "double_mb")
+#: single-microbatch faults: they affect every parameter (the whole gradient of one microbatch)
+WHOLE_MODEL = ("swap_id", "extra_mb", "drop_mb", "double_mb")
 
 DEFAULT_OPTIM: dict[str, Any] = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                                  "weight_decay": 0.1, "warmup_steps": 2, "min_lr_ratio": 0.1}
@@ -116,9 +119,11 @@ class Corruption:
     = what every pre-failure contributor (the dead one included) had accumulated;
     ``double_replica``: ``replica``'s accumulation added twice; ``swap_id``: ``replica``'s
     first id of the step is trained on another id of its slice (not recorded); ``scale``:
-    sum * ``factor``.
+    sum * ``factor``; ``extra_mb``: one more microbatch of ``replica``'s slice (its next id,
+    unrecorded) added to the sum; ``drop_mb``: ``replica``'s last recorded microbatch left out;
+    ``double_mb``: ``replica``'s last recorded microbatch counted twice (the divisor stays B).
     Affected parameters: ``params`` (fqns) if given, else every parameter of the flat parameters
-    ``buckets`` (layout indices). ``swap_id`` affects every parameter.
+    ``buckets`` (layout indices). ``swap_id`` and the ``*_mb`` kinds affect every parameter.
     """
 
     kind: str
@@ -190,7 +195,7 @@ class _Grads:
 
 
 def _affected(c: Corruption, layout, names: list[str]) -> list[bool]:
-    if c.kind == "swap_id":
+    if c.kind in WHOLE_MODEL:
         return [True] * len(names)
     chosen = set(c.params) if c.params is not None else {
         s.fqn for b in c.buckets for s in layout[b].params}
@@ -322,6 +327,14 @@ def write_synthetic_run(run_dir: str | Path, spec: SyntheticRun) -> Path:
                 new = old + W * 100_003                  # same slice, never recorded
                 g_old, g_new = grads.microbatch(old)[0], grads.microbatch(new)[0]
                 total = [a - b + n for a, b, n in zip(total, g_old, g_new)]
+            elif c.kind in ("extra_mb", "drop_mb", "double_mb"):
+                r = order[-1] if c.replica is None else c.replica
+                if c.kind == "extra_mb":
+                    one, sign = contributions[r][-1] + W * 100_003, 1.0   # never recorded
+                else:
+                    one, sign = contributions[r][-1], (-1.0 if c.kind == "drop_mb" else 1.0)
+                g_one = grads.microbatch(one)[0]
+                total = [a + sign * b for a, b in zip(total, g_one)]
         with torch.no_grad():
             for p, g in zip(params, total):
                 p.grad = g / divisor
@@ -340,6 +353,9 @@ def write_synthetic_run(run_dir: str | Path, spec: SyntheticRun) -> Path:
                             contributions=contributions, divisor=divisor, epoch=epoch,
                             extra={"skipped": True} if skipped else {})
         data.commit(policy)
+        # what the trainer's orchestrator records: every bucket reduced once, under the step's
+        # membership (a corruption models a wrong gradient under a correct-looking record)
+        record.local = {"bucket_epochs": [[epoch] for _ in layout]}
         for r in policy.alive:
             for j in range(S):
                 recorders[(r, j)].commit(record)

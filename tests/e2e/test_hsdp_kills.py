@@ -83,6 +83,68 @@ CASES = [
 ]
 
 
+def P(failed, *modes, case_b=False, boundary=True):
+    """The recovery path one step must take: the replicas whose failure it handles, the restore
+    modes applied (besides the final commit's skip; case (b) applies none), whether the failure
+    was the paper's case (b) (committed as reduced, the dead replica's ids included) and whether
+    it is a boundary step (survivors extend; a spare promotion is not)."""
+    return {"failed": sorted(failed), "modes": set(modes), "case_b": case_b,
+            "boundary": boundary}
+
+
+# Expected recovery path per row: step -> P(...); every other step must handle no failure.
+# Derivations (B = W x G): a kill during compute or the first reduction pass surfaces at that
+# step's reduction (boundary unless a spare of the victim's role survives); a kill at the gate
+# or the consensus, after every bucket was reduced, is case (b); a kill at pre_step /
+# optimizer_step after the consensus surfaces at the NEXT step's reduction.
+PATHS = {
+    "W2S1-reduce-to-one": {1: P([1], "non_blocking")},
+    "W4S1-forward-gate-consensus-down-to-one": {
+        1: P([3], "non_blocking"),
+        2: P([2], case_b=True),          # the minor (no minor-spare): boundary after the commit
+        3: P([1], case_b=True)},
+    "W4S1-rank0-backward-prestep-optstep": {
+        1: P([0], "non_blocking"), 3: P([3], "non_blocking"), 4: P([2], "non_blocking")},
+    "W4S1-two-kills-one-step": {1: P([2, 3], "non_blocking")},
+    "W4S1-kill-in-extension": {1: P([2, 3], "non_blocking")},
+    "W4S1-kill-in-re-reduce": {1: P([2, 3], "non_blocking")},
+    # G=1 -> after step 1: 2 majors + 1 major-spare; step 3: the spare is promoted (BLOCKING, no
+    # boundary), then the death during the re-reduce crosses the boundary (NON_BLOCKING)
+    "W4S1-spare-promotion-blocking": {
+        1: P([3], "non_blocking"), 3: P([0, 1], "blocking", "non_blocking")},
+    "W2S2-rank1-reduce": {1: P([0], "non_blocking")},
+    "W2S2-rank0-backward": {1: P([0], "non_blocking")},
+    "W2S2-consensus-case-b": {2: P([1], case_b=True)},
+    "W2S2-forward-shard-rank1": {1: P([0], "non_blocking")},
+    "W2S2-gate": {2: P([1], case_b=True)},
+    "W2S2-pre-step": {2: P([1], "non_blocking")},
+    "W2S2-optimizer-step": {3: P([0], "non_blocking")},
+    "W4S2-kill-in-extension": {1: P([2, 3], "non_blocking")},
+    "W4S2-gate-then-reduce": {1: P([1], case_b=True), 2: P([2], "non_blocking")},
+    "W2S4-reduce": {1: P([1], "non_blocking")},
+    "W4S1-adaptive": {1: P([3], "blocking", boundary=False)},
+}
+
+
+def _check_path(run_dir: Path, name: str) -> None:
+    """The run took the expected recovery path at every step (not only: it ended well)."""
+    rec = read_run(run_dir)
+    want = PATHS[name]
+    for step in rec.committed:
+        s = rec.steps[step]
+        failed = sorted({int(r) for f in s.failures for r in f.get("replicas", ())})
+        modes = {m for m in (s.restore_mode or "").split(",") if m and m != "skip"}
+        got = {"failed": failed, "modes": modes,
+               "case_b": any(f.get("case_b") for f in s.failures if f.get("replicas")),
+               "boundary": bool(s.boundary)}
+        exp = want.get(step, {"failed": [], "modes": set(), "case_b": False, "boundary": False})
+        assert got == exp, f"{name} step {step}: recovery path {got}, expected {exp}"
+
+
+def test_every_row_states_its_path():
+    assert set(PATHS) == {c[0] for c in CASES}
+
+
 def _check_run(run_dir: Path, W: int, S: int, G: int, schedule, policy: str) -> dict:
     rec = read_run(run_dir)
     assert rec.committed == list(range(STEPS)), f"committed {rec.committed}, gaps {rec.gaps}"
@@ -118,11 +180,14 @@ def test_kill_table(tmp_path, name, W, S, G, schedule, policy):
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     _check_run(run_dir, W, S, G, schedule, policy)
+    _check_path(run_dir, name)
     # identical parameters on every surviving replica (load_params checks copies agree)
     from recover_hsdp.record import load_params
 
-    for j in range(S):
-        load_params(run_dir, STEPS - 1, j, check=True, rtol=0.0, atol=0.0)
+    # at every saved step, bit for bit (not only the last)
+    for step in range(STEPS):
+        for j in range(S):
+            load_params(run_dir, step, j, check=True, rtol=0.0, atol=0.0)
     assert _verify(run_dir) == 0, out.stdout[-4000:]
 
 
@@ -136,3 +201,9 @@ def test_verify_rejects_run_without_restoration(tmp_path):
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     assert _verify(run_dir) == 1
+    # the record alone says so: step 1's buckets were reduced under two memberships
+    from recover_hsdp.verify import verify_run
+
+    res = verify_run(run_dir, records_only=True)
+    assert res.exit_code == 1 and res.failed_step == 1, res.message
+    assert "more than one membership" in res.message, res.message

@@ -201,3 +201,31 @@ def test_bucket_epochs_check():
     bad, _ = check_bucket_epochs(stale, steps)
     assert bad and bad[0].step == 1 and "rank 2" in bad[0].message
     assert check_bucket_epochs({0: {0: {"wall_s": 1.0}}}, steps) == ([], 0)   # older records
+
+
+def test_bucket_epochs_of_a_case_b_step_are_the_old_membership():
+    from recover_hsdp.verify.records import check_bucket_epochs
+
+    steps = {2: SimpleNamespace(epoch=2, failures=[{"replicas": [1], "case_b": True}])}
+    assert check_bucket_epochs({2: {0: {"bucket_epochs": [[1], [1]]}}}, steps)[0] == []
+    steps[2].failures[0]["case_b"] = False
+    assert check_bucket_epochs({2: {0: {"bucket_epochs": [[1], [1]]}}}, steps)[0]
+
+
+def test_a_gpu_run_is_refused_on_cpu_in_one_line(tmp_path):
+    """meta.device = cuda, verify on the CPU: exit 2 with one line (records-only still works)."""
+    import json
+
+    from recover_hsdp.verify.replay import EXIT_ERROR, verify_run
+    from recover_hsdp.verify.synthetic import (SyntheticRun, small_data_config,
+                                               write_sample_corpus, write_synthetic_run)
+
+    corpus = write_sample_corpus(tmp_path / "c.jsonl", chars=20_000)
+    run = write_synthetic_run(tmp_path / "r", SyntheticRun(
+        data=small_data_config(corpus, tmp_path / "cache", seq_len=16), w_init=2, g_init=1,
+        steps=2))
+    meta = json.loads((run / "meta.json").read_text())
+    (run / "meta.json").write_text(json.dumps({**meta, "device": "cuda"}))
+    res = verify_run(run)
+    assert res.exit_code == EXIT_ERROR and "cuda" in res.message and "\n" not in res.message
+    assert verify_run(run, records_only=True).ok
