@@ -370,6 +370,8 @@ def overall_exit(results: Sequence[JobResult]) -> int:
         return 4
     if not codes or all(c == EXIT_OK for c in codes):
         return EXIT_OK
+    if all(c in (EXIT_OK, EXIT_CONFIG) for c in codes):  # the same missing input on every rank
+        return EXIT_CONFIG
     return EXIT_TIME_LIMIT if all(c in (EXIT_OK, EXIT_TIME_LIMIT) for c in codes) else EXIT_FAILED
 
 
