@@ -352,21 +352,31 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                            first_only=True):
         raise _Failed(v.step, f"step {v.step}: {v.message}",
                       {"kind": "record", "step": v.step, "message": v.message})
-    for v in check_expected(steps, w_init=spec.w_init, g_init=spec.g_init, policy=spec.policy,
+    # issue 14: a run resumed from checkpoints (segments.jsonl) verifies as one run; across each
+    # resume every continued slice starts exactly at the checkpoint's cursor
+    from recover_hsdp.record.checkpoint import contiguous_resume_violations, read_segments
+
+    segs = [g for g in read_segments(run_dir) if g.get("event") == "start"]
+    # The independent id derivation starts from the initial layout and knows failures only, not
+    # a relaunch at another width: it judges the steps before the first resume; the cursor check
+    # below judges every resume (a slice continues exactly at its checkpointed cursor).
+    resumes = [int(g["resume_step"]) for g in segs[1:] if g.get("resume_step") is not None]
+    first_resume = min(resumes) if resumes else None
+    derive = steps if first_resume is None else {k: v for k, v in steps.items()
+                                                 if k < first_resume}
+    for v in check_expected(derive, w_init=spec.w_init, g_init=spec.g_init, policy=spec.policy,
                             first_only=True):
         raise _Failed(v.step, v.message, {"kind": "expected_ids", "step": v.step,
                                           "replica": v.replica, "message": v.message})
+    if first_resume is not None:
+        note(f"protocol ids re-derived for steps < {first_resume} (the first resume); later "
+             f"segments are checked by their checkpoint cursors")
     bad_epochs, n_epochs = check_bucket_epochs(record.local, steps, first_only=True)
     for v in bad_epochs:
         raise _Failed(v.step, f"step {v.step}: {v.message}",
                       {"kind": "bucket_epochs", "step": v.step, "message": v.message})
     no_epochs_note = ("the step records carry no per-bucket membership epochs (bucket_epochs; "
                       "an older trainer): the one-membership check was skipped")
-    # issue 14: a run resumed from checkpoints (segments.jsonl) verifies as one run; across each
-    # resume every continued slice starts exactly at the checkpoint's cursor
-    from recover_hsdp.record.checkpoint import contiguous_resume_violations, read_segments
-
-    segs = [g for g in read_segments(run_dir) if g.get("event") == "start"]
     for s, msg in contiguous_resume_violations(steps, segs, spec.w_init)[:1]:
         raise _Failed(s, f"step {s}: {msg}", {"kind": "record", "step": s, "message": msg})
     if len(segs) > 1:
@@ -516,7 +526,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         if s in saved:
             rep = comparator.compare(model, s, el_tol, tol.rtol, bulk_tol)
             rep.envelope = env
-            if strict_chk is not None and prev_is_run:
+            if strict_chk is not None and prev_is_run and strict_chk.expected is not None:
                 ratio, where, d = strict_chk.check(comparator.run_params(s))
                 rep.strict_ratio = ratio
                 result.steps_strict += 1
@@ -652,6 +662,8 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
         _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_cfg.clip)
     set_lr(optimizer, float(lr_at(step, spec.optim_cfg)))
     if (rec.extra or {}).get("skipped") or nonfinite:
+        if strict is not None:
+            strict.expected = None  # no update to bound: the tolerance comparison judges it
         return  # the run committed this step without an optimizer update
     if strict is not None:
         strict.prepare(optimizer, rec.divisor)
