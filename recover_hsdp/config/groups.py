@@ -1,0 +1,282 @@
+"""The typed config groups and the root schema (see the package docstring, recover_hsdp.config).
+
+No ``from __future__ import annotations``: OmegaConf reads the dataclass annotations.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from recover_hsdp.optim import OptimConfig
+
+# ModelConfig / DataConfig / FailuresConfig are imported where they are used: recover_hsdp.data
+# and recover_hsdp.model import torch in their package __init__, and a worker rank (load_config)
+# or an error message should not pay for that.
+
+#: The Hydra config directory (the repository's conf/).
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_NAME = "config"
+SCHEMA_NAME = "train_schema"
+POLICIES = ("static", "adaptive")
+#: baseline.name: none (the resilient trainer) or one of the plain-FSDP baselines
+BASELINES = ("none", "reference", "checkpoint_restart")
+#: failure locations the checkpoint-restart baseline can fire at (docs/baselines.md)
+CR_LOCATIONS = ("forward", "backward", "reduce", "pre_step", "optimizer_step")
+#: Where relative run directories go when run.output_dir is null.
+DEFAULT_RUNS_DIR = "runs"
+
+
+class TrainConfigError(ValueError):
+    """The run's configuration is invalid: one line naming the key(s) and the value(s)."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive_ints(group: str, obj: Any, keys: Sequence[str]) -> None:
+    for key in keys:
+        v = getattr(obj, key)
+        if not _is_int(v) or v < 1:
+            raise TrainConfigError(f"{group}.{key}({v!r}) must be an integer >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed groups
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ParallelConfig:
+    """conf/parallel/*.yaml. W_init = replicas, G_init = grad_accum, B = W_init * G_init.
+
+    A replica is ``shard_size`` ranks (one FSDP HYBRID_SHARD shard group); the run launches
+    replicas * shard_size ranks. Tokens per optimizer step =
+    B * micro_batch_size * shard_size * seq_len.
+    """
+
+    replicas: int = 2              # W_init: data-parallel replicas at the start
+    shard_size: int = 1            # S: ranks per replica (FSDP shards the model over them)
+    grad_accum: int = 2            # G_init: microbatches per replica per step at the start
+    micro_batch_size: int = 4      # sequences per rank per microbatch
+    seq_len: int = 128             # tokens per sequence (the authority; data.seq_len follows)
+    global_batch: Optional[int] = None   # B in microbatches, if you want it checked; null = W*G
+    mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
+
+    def __post_init__(self) -> None:
+        _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
+                                          "micro_batch_size", "seq_len"))
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
+                                   f"auto, bf16 or fp32")
+        if self.global_batch is not None and self.global_batch != self.replicas * self.grad_accum:
+            raise TrainConfigError(
+                f"parallel.global_batch({self.global_batch}) is not reachable: every step sums "
+                f"B = parallel.replicas({self.replicas}) * parallel.grad_accum({self.grad_accum}) "
+                f"= {self.replicas * self.grad_accum} microbatches")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shard_size
+
+    @property
+    def B(self) -> int:  # noqa: N802 - the paper's name
+        return self.replicas * self.grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.B * self.micro_batch_size * self.shard_size * self.seq_len
+
+
+@dataclass
+class PolicyConfig:
+    """conf/policy/{static,adaptive}.yaml: how the batch is kept when replicas die."""
+
+    name: str = "static"   # static: ReCoVer, constant B (alg. 6/7); adaptive: shrinking batch
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise TrainConfigError(f"policy.name({self.name!r}) must be one of "
+                                   f"{', '.join(POLICIES)}")
+
+
+@dataclass
+class RunConfig:
+    """conf/run/default.yaml: the job (length, where it writes, how it is launched)."""
+
+    steps: int = 20                        # optimizer steps to commit
+    name: Optional[str] = None             # run directory name under runs/ (null: timestamp)
+    output_dir: Optional[str] = None       # run directory; null: runs/<name or timestamp>
+    overwrite: bool = False                # replace an existing run in output_dir
+    seed: int = 0                          # model initialisation (same on every rank)
+    log_every: int = 1                     # steps between log lines
+    save_params_every: int = 5             # parameter snapshots every N steps (+ init, final);
+                                           # 0: init and final only
+    shard_timeout_s: float = 60.0          # shard-group collective timeout (hung peer)
+    np: Optional[int] = None               # ranks to launch; null: replicas * shard_size
+    mpirun: Optional[str] = None           # mpirun executable; null: next to python, else PATH
+    mpirun_args: List[str] = field(default_factory=list)   # extra mpirun arguments
+    omp_num_threads: int = 1               # OMP_NUM_THREADS of every rank
+    store_host: Optional[str] = None       # TCPStore host the ranks connect to; null: 127.0.0.1
+                                           # (hostname inside a multi-node Slurm allocation)
+    time_limit_s: Optional[float] = None   # wall-clock limit of the job; null: none
+    # hung-rank detector (docs/faults.md): every rank beats every heartbeat_s; the launcher
+    # SIGKILLs a rank whose heartbeat is older than hang_timeout_s (null or 0: off)
+    heartbeat_s: float = 1.0
+    hang_timeout_s: Optional[float] = 5.0
+    progress_timeout_s: Optional[float] = None  # also kill on no progress outside long phases
+    gpus_per_node: Optional[int] = None    # GPUs per node; ranks use cuda:(local rank % it),
+                                           # so several replicas may share one; null: all visible
+    # checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md)
+    ckpt_interval: int = 0                 # DCP checkpoint every N committed steps; 0: none
+    ckpt_async: bool = True                # dcp.async_save (the step does not wait for the disk)
+    resume: bool = False                   # continue run.output_dir from its newest checkpoint
+    min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
+    max_restarts: int = 3                  # automatic full-width relaunches of one launcher
+
+    def __post_init__(self) -> None:
+        _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
+        for key in ("ckpt_interval", "min_replicas", "max_restarts"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                raise TrainConfigError(f"run.{key}({getattr(self, key)!r}) must be an integer "
+                                       f">= 0")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise TrainConfigError(f"run.seed({self.seed!r}) must be an integer >= 0")
+        if not _is_int(self.save_params_every) or self.save_params_every < 0:
+            raise TrainConfigError(f"run.save_params_every({self.save_params_every!r}) must be "
+                                   f"an integer >= 0 (0: initial and final parameters only)")
+        if not _is_real(self.shard_timeout_s) or not self.shard_timeout_s > 0:
+            raise TrainConfigError(f"run.shard_timeout_s({self.shard_timeout_s!r}) must be > 0")
+        if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node)
+                                               or self.gpus_per_node < 1):
+            raise TrainConfigError(f"run.gpus_per_node({self.gpus_per_node!r}) must be an "
+                                   f"integer >= 1 or null")
+        if self.np is not None and (not _is_int(self.np) or self.np < 1):
+            raise TrainConfigError(f"run.np({self.np!r}) must be an integer >= 1 or null")
+        if self.time_limit_s is not None and (not _is_real(self.time_limit_s)
+                                              or not self.time_limit_s > 0):
+            raise TrainConfigError(f"run.time_limit_s({self.time_limit_s!r}) must be > 0 or null")
+        if self.name is not None and (not self.name or "/" in self.name
+                                      or self.name in (".", "..")):
+            raise TrainConfigError(f"run.name({self.name!r}) must be a plain directory name")
+        if not all(isinstance(a, str) for a in self.mpirun_args):
+            raise TrainConfigError(f"run.mpirun_args({list(self.mpirun_args)!r}) must be strings")
+        _check_hang_detector(self)
+
+
+def _check_hang_detector(run: "RunConfig") -> None:
+    """The chain of bounded waits (docs/faults.md): the shard-group timeout, which bounds the
+    replica-consistency gate, must outlast the longest repair a healthy mate may be waiting in
+    (a hung rank elsewhere: detection + ULFM repair)."""
+    from recover_hsdp.faults.failstop import gate_bound_s
+
+    if not _is_real(run.heartbeat_s) or not run.heartbeat_s > 0:
+        raise TrainConfigError(f"run.heartbeat_s({run.heartbeat_s!r}) must be > 0")
+    for k in ("hang_timeout_s", "progress_timeout_s"):
+        v = getattr(run, k)
+        if v is not None and (not _is_real(v) or v < 0):
+            raise TrainConfigError(f"run.{k}({v!r}) must be >= 0 or null (off)")
+    if run.hang_timeout_s:
+        if run.hang_timeout_s < 2 * run.heartbeat_s:
+            raise TrainConfigError(f"run.hang_timeout_s({run.hang_timeout_s!r}) must be at least "
+                                   f"2 x run.heartbeat_s({run.heartbeat_s!r})")
+        bound = gate_bound_s(run.hang_timeout_s, run.heartbeat_s)
+        if run.shard_timeout_s <= bound:
+            raise TrainConfigError(
+                f"run.shard_timeout_s({run.shard_timeout_s!r}) must exceed {bound:g} s, the "
+                f"longest repair a healthy rank may wait for at the gate with "
+                f"run.hang_timeout_s={run.hang_timeout_s!r} (docs/faults.md)")
+
+
+@dataclass
+class DebugConfig:
+    """conf/debug/*.yaml: switches that break the protocol on purpose (to prove checks fail)."""
+
+    restore_enabled: bool = True   # false: skip gradient restoration after a failure;
+                                   # `recover-hsdp verify` must then reject the run
+
+
+@dataclass
+class BaselineConfig:
+    """conf/baseline/{none,reference,checkpoint_restart}.yaml (docs/baselines.md).
+
+    ``none``: the resilient trainer (policy static or adaptive). ``reference``: plain PyTorch FSDP
+    HYBRID_SHARD, torch's own process groups, no ULFM, failure-free. ``checkpoint_restart``: the
+    same plain training with DCP checkpoints every ``ckpt_interval`` steps; a kill aborts the job,
+    the launcher relaunches it from the last checkpoint (at most ``max_restarts`` times).
+    """
+
+    name: str = "none"
+    ckpt_interval: int = 4        # checkpoint after every N committed steps (N, 2N, ...)
+    ckpt_async: bool = False      # dcp.async_save instead of dcp.save
+    max_restarts: int = 20        # relaunches before the run is given up (exit 1)
+
+    def __post_init__(self) -> None:
+        if self.name not in BASELINES:
+            raise TrainConfigError(f"baseline.name({self.name!r}) must be one of "
+                                   f"{', '.join(BASELINES)}")
+        _positive_ints("baseline", self, ("ckpt_interval",))
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise TrainConfigError(f"baseline.max_restarts({self.max_restarts!r}) must be an "
+                                   f"integer >= 0")
+        if not isinstance(self.ckpt_async, bool):
+            raise TrainConfigError(f"baseline.ckpt_async({self.ckpt_async!r}) must be a boolean")
+
+
+@dataclass
+class FailuresSchema:
+    """The ``failures`` node's schema: FailuresConfig's fields (same defaults), with ``schedule``
+    untyped so it can hold inline entries OR a schedule file path (``failures.schedule=f.yaml``).
+    Validation is FailuresConfig's (``from_mapping`` + ``build``, in :func:`validate`)."""
+
+    kind: str = "none"
+    path: Optional[str] = None
+    schedule: Any = None
+    seed: int = 0
+    count: int = 0
+    step_range: Optional[List[int]] = None
+    location_weights: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    """The root. model/data/failures are validated by their own dataclasses (see module doc)."""
+
+    model: Dict[str, Any] = field(default_factory=dict)
+    data: Dict[str, Any] = field(default_factory=dict)
+    failures: FailuresSchema = field(default_factory=FailuresSchema)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
+
+
+TYPED_GROUPS: Dict[str, type] = {
+    "parallel": ParallelConfig, "policy": PolicyConfig, "run": RunConfig,
+    "optim": OptimConfig, "debug": DebugConfig, "baseline": BaselineConfig,
+}
+ROOT_KEYS: List[str] = [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def untyped_groups() -> Dict[str, type]:
+    """The component configs that validate the model, data and failures groups."""
+    from recover_hsdp.data.config import DataConfig
+    from recover_hsdp.faults.config import FailuresConfig
+    from recover_hsdp.model.config import ModelConfig
+
+    return {"model": ModelConfig, "data": DataConfig, "failures": FailuresConfig}
+
+
+#: Validation order: each group's own checks (typed groups first), then the cross-checks.
+GROUP_ORDER: List[str] = list(TYPED_GROUPS) + ["model", "data", "failures"]
+
+
+def group_keys(group: str) -> List[str]:
+    cls = TYPED_GROUPS.get(group) or (FailuresSchema if group == "failures" else
+                                      untyped_groups()[group])
+    return [f.name for f in dataclasses.fields(cls)]
+
