@@ -16,117 +16,18 @@ Every problem with a directory is a one-line ``RecordError``.
 from __future__ import annotations
 
 import bisect
-import json
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from recover_hsdp.record.io import RecordError, read_jsonl
-from recover_hsdp.record.steps import merge_steps
-
-MODES = ("resilient", "drop_and_go", "reference", "checkpoint_restart", "torchft_dynamic",
-         "torchft_fixed", "plain_ddp")
-CONSTANT_MODES = ("reference", "checkpoint_restart")   # W_init*S processes allocated throughout
-BREAKDOWN_KEYS = ("save", "normal", "failure_handling", "restart_init", "load", "rerun",
-                  "recovery")
-ATTEMPTS_DIR = "attempts"
-RESTARTS = "restarts.jsonl"
-_EVENTS_FILE = re.compile(r"^events\.rank(\d+)\.jsonl$")
-# events whose time across ranks is the EARLIEST rank's; all others take the LATEST rank's
-_EARLIEST = ("launch_seen", "ckpt_load_start", "ckpt_save_start")
-
-
-@dataclass(frozen=True)
-class Commit:
-    """The first commit of one step (for checkpoint-restart: reruns are not listed again)."""
-
-    step: int
-    time: float                  # unix time of the commit (latest rank's local.time)
-    loss: float | None
-    tokens: int                  # tokens of the step, all replicas
-    alive_processes: int         # processes that committed it (alive replicas x processes/replica)
-    divisor: int | None
-    attempt: int | None = None   # checkpoint-restart: the attempt that first committed it
-
-
-@dataclass
-class Timeline:
-    label: str
-    mode: str
-    run_dir: Path
-    t0: float                     # unix time training started
-    end: float                    # last commit time
-    commits: list[Commit]
-    kills: list[float]            # unix times, ascending
-    breakdown: list[dict]         # one dict per failure (docs/report.md)
-    w_init: int
-    processes_per_replica: int
-    ckpt_interval: int | None = None
-    kill_steps: list[int | None] = field(default_factory=list)   # step each kill landed in
-    attempts: list[dict] = field(default_factory=list)           # checkpoint-restart only
-    meta: dict = field(default_factory=dict)
-    summary: dict | None = None
-    # processes(t) as a step function: value _proc_values[i] from _proc_times[i] on
-    _proc_times: list[float] = field(default_factory=list, repr=False)
-    _proc_values: list[int] = field(default_factory=list, repr=False)
-
-    # -- processes allocated over time -------------------------------------------------------
-    @property
-    def initial_processes(self) -> int:
-        return self.w_init * self.processes_per_replica
-
-    def processes(self, t: float) -> int:
-        """Processes allocated at unix time t (right-continuous step function)."""
-        i = bisect.bisect_right(self._proc_times, t) - 1
-        return self._proc_values[max(i, 0)] if self._proc_values else self.initial_processes
-
-    def process_seconds(self, a: float, b: float) -> float:
-        """Integral of processes(t) over [a, b] (0 if b <= a)."""
-        if b <= a:
-            return 0.0
-        total, t = 0.0, a
-        i = bisect.bisect_right(self._proc_times, a)
-        while i < len(self._proc_times) and self._proc_times[i] < b:
-            total += self.processes(t) * (self._proc_times[i] - t)
-            t = self._proc_times[i]
-            i += 1
-        return total + self.processes(t) * (b - t)
-
-    def process_hours_at(self, t: float) -> float:
-        return self.process_seconds(self.t0, t) / 3600.0
-
-    @property
-    def process_changes(self) -> list[tuple[float, int]]:
-        return list(zip(self._proc_times, self._proc_values))
-
-    # -- totals -------------------------------------------------------------------------------
-    @property
-    def steps(self) -> int:
-        return len(self.commits)
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.commits)
-
-    @property
-    def wall_s(self) -> float:
-        return self.end - self.t0
-
-    @property
-    def process_hours(self) -> float:
-        return self.process_hours_at(self.end)
-
-    def to_json(self) -> dict:
-        return {"label": self.label, "mode": self.mode, "run_dir": str(self.run_dir),
-                "t0": self.t0, "end": self.end, "wall_s": self.wall_s, "steps": self.steps,
-                "first_step": self.commits[0].step if self.commits else None,
-                "last_step": max(c.step for c in self.commits) if self.commits else None,
-                "tokens": self.tokens, "process_hours": self.process_hours,
-                "w_init": self.w_init, "processes_per_replica": self.processes_per_replica,
-                "ckpt_interval": self.ckpt_interval, "kills": self.kills,
-                "kill_steps": self.kill_steps, "processes": self.process_changes,
-                "breakdown": self.breakdown, "attempts": self.attempts}
+from recover_hsdp.record.io import RecordError
+# the data model and the readers every run kind shares (timeline_base.py), the checkpoint-restart
+# reader (timeline_cr.py); this module reads the plain run kinds and is the public face
+from recover_hsdp.record.timeline_base import (ATTEMPTS_DIR, BREAKDOWN_KEYS,  # noqa: F401
+                                               CONSTANT_MODES, MODES, RESTARTS, Commit, Timeline,
+                                               _commits_from, _empty_breakdown, _finish, _fired,
+                                               _first_commits, _int_or, _kill_step, _read_json,
+                                               _set_processes)
+from recover_hsdp.record.timeline_cr import _load_cr
 
 
 # -- helpers over a Timeline ---------------------------------------------------------------------
@@ -198,19 +99,6 @@ def common_process_hours(timelines: list[Timeline]) -> float:
 
 # -- reading ----------------------------------------------------------------------------------
 
-def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise RecordError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise RecordError(f"{path}: not JSON: {' '.join(str(e).split())}") from None
-
-
 def _mode(meta: dict, run_dir: Path) -> str:
     mode = meta.get("mode")
     if mode is None:
@@ -218,66 +106,6 @@ def _mode(meta: dict, run_dir: Path) -> str:
     if mode not in MODES:
         raise RecordError(f"{run_dir}: unknown meta.json mode {mode!r} (known: {', '.join(MODES)})")
     return mode
-
-
-def _int_or(value: Any, default: int | None) -> int | None:
-    try:
-        return int(value) if value is not None else default
-    except (TypeError, ValueError):
-        return default
-
-
-def _fired(run_dir: Path) -> list[dict]:
-    """Fault markers: faults/fired*.json and attempts/*/faults/fired*.json, deduplicated."""
-    paths = sorted((run_dir / "faults").glob("fired*.json"))
-    paths += sorted((run_dir / ATTEMPTS_DIR).glob("*/faults/fired*.json"))
-    seen, out = set(), []
-    for p in paths:
-        d = _read_json(p)
-        if not isinstance(d, dict) or not isinstance(d.get("time"), (int, float)):
-            raise RecordError(f"{p}: fault marker without a numeric 'time'")
-        key = (d.get("rank"), d["time"])
-        if key not in seen:
-            seen.add(key)
-            out.append(d)
-    out.sort(key=lambda d: d["time"])
-    return out
-
-
-def _kill_step(marker: dict) -> int | None:
-    entry = marker.get("entry") or {}
-    return _int_or(entry.get("step"), None) if isinstance(entry, dict) else None
-
-
-def _commits_from(directory: Path, pps: int, default_alive: int, attempt: int | None = None
-                  ) -> list[tuple[Commit, float | None]]:
-    """(Commit, t_start) per step of the step files under ``directory``/steps."""
-    merged = merge_steps(directory)
-    out = []
-    for step, rec in merged.steps.items():
-        times, starts = [], []
-        for loc in merged.local[step].values():
-            t = loc.get("time") if isinstance(loc, dict) else None
-            if isinstance(t, (int, float)):
-                times.append(float(t))
-                wall = loc.get("wall_s")
-                if isinstance(wall, (int, float)):
-                    starts.append(float(t) - float(wall))
-        if not times:
-            raise RecordError(f"{directory}: step {step} has no local.time on any rank")
-        alive = len(rec.alive) * pps if rec.alive else default_alive
-        out.append((Commit(step=step, time=max(times), loss=rec.loss, tokens=int(rec.tokens or 0),
-                           alive_processes=alive, divisor=rec.divisor, attempt=attempt),
-                    min(starts) if starts else None))
-    return out
-
-
-def _first_commits(pairs: list[tuple[Commit, float | None]]) -> list[Commit]:
-    first: dict[int, Commit] = {}
-    for c, _ in sorted(pairs, key=lambda p: p[0].time):
-        if c.step not in first:
-            first[c.step] = c
-    return sorted(first.values(), key=lambda c: (c.time, c.step))
 
 
 def load_timeline(run_dir: str | Path, label: str | None = None,
@@ -319,19 +147,6 @@ def load_timeline(run_dir: str | Path, label: str | None = None,
     if mode == "checkpoint_restart":
         return _load_cr(markers, **kwargs)
     return _load_plain(markers, **kwargs)
-
-
-def _set_processes(tl: Timeline, changes: list[tuple[float, int]]) -> None:
-    times, values = [], []
-    for t, v in sorted(changes, key=lambda c: c[0]):
-        if values and v == values[-1]:
-            continue
-        if times and t == times[-1]:
-            values[-1] = v
-            continue
-        times.append(t)
-        values.append(v)
-    tl._proc_times, tl._proc_values = times, values
 
 
 def _load_plain(markers: list[dict], **kw) -> Timeline:
@@ -390,18 +205,6 @@ def _steps_before(tl: Timeline, t: float) -> int | None:
     return (max(done) + 1) if done else (tl.commits[0].step if tl.commits else None)
 
 
-def _empty_breakdown() -> dict:
-    d: dict[str, Any] = {k: 0.0 for k in BREAKDOWN_KEYS}
-    d.update({k: None for k in "ABCDEFGH"})
-    return d
-
-
-def _finish(d: dict) -> dict:
-    parts = [d[k] for k in BREAKDOWN_KEYS]
-    d["total"] = None if any(p is None for p in parts) else sum(parts)
-    return d
-
-
 def _resilient_breakdown(tl: Timeline, markers: list[dict]) -> list[dict]:
     out = []
     for i, m in enumerate(markers):
@@ -421,151 +224,6 @@ def _resilient_breakdown(tl: Timeline, markers: list[dict]) -> list[dict]:
             d["normal"] = (c - a) if a is not None else None
         else:
             d["normal"] = None
-        out.append(_finish(d))
-    return out
-
-
-# -- checkpoint-restart -------------------------------------------------------------------------
-
-def _attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    root = run_dir / ATTEMPTS_DIR
-    if not root.is_dir():
-        raise RecordError(f"{run_dir}: checkpoint-restart run without {ATTEMPTS_DIR}/")
-    out = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.isdigit():
-            out.append((int(p.name), p))
-    if not out:
-        raise RecordError(f"{run_dir}: {ATTEMPTS_DIR}/ holds no attempt directories")
-    return sorted(out)
-
-
-def _events(attempt_dir: Path) -> list[dict]:
-    """Events of one attempt merged across ranks: one per (event, step); see _EARLIEST."""
-    merged: dict[tuple, dict] = {}
-    for p in sorted(attempt_dir.iterdir()):
-        if not _EVENTS_FILE.match(p.name):
-            continue
-        records, _ = read_jsonl(p)
-        for n, e in enumerate(records, 1):
-            if "event" not in e or not isinstance(e.get("time"), (int, float)):
-                raise RecordError(f"{p}:{n}: event without 'event' and a numeric 'time'")
-            key = (e["event"], e.get("step"))
-            t = float(e["time"])
-            if key not in merged:
-                merged[key] = {"event": e["event"], "step": e.get("step"), "time": t}
-            elif e["event"] in _EARLIEST:
-                merged[key]["time"] = min(merged[key]["time"], t)
-            else:
-                merged[key]["time"] = max(merged[key]["time"], t)
-    return sorted(merged.values(), key=lambda e: e["time"])
-
-
-def _first_event(events: list[dict], name: str) -> float | None:
-    return next((e["time"] for e in events if e["event"] == name), None)
-
-
-def _load_cr(markers: list[dict], **kw) -> Timeline:
-    run_dir, pps, w = kw["run_dir"], kw["processes_per_replica"], kw["w_init"]
-    restarts_path = run_dir / RESTARTS
-    restarts: dict[int, dict] = {}
-    if restarts_path.exists():
-        rows, _ = read_jsonl(restarts_path)
-        for r in rows:
-            k = _int_or(r.get("attempt"), None)
-            if k is not None:
-                restarts[k] = r
-    attempts, pairs = [], []
-    for k, d in _attempt_dirs(run_dir):
-        ev = _events(d)
-        ap = _commits_from(d, pps, w * pps, attempt=k) if (d / "steps").is_dir() else []
-        pairs += ap
-        r = restarts.get(k, {})
-        attempts.append({"attempt": k, "dir": str(d), "events": ev,
-                         "launch_time": r.get("launch_time"), "exit_time": r.get("exit_time"),
-                         "rc": r.get("rc"), "resume_step": r.get("resume_step"),
-                         "reason": r.get("reason"),
-                         "steps": [c.step for c, _ in ap], "commit_times": [c.time for c, _ in ap]})
-    if not pairs:
-        raise RecordError(f"{run_dir}: no committed steps in any attempt")
-    commits = _first_commits(pairs)
-    t0 = _first_event(attempts[0]["events"], "train_start")
-    if t0 is None:
-        starts = [s for c, s in pairs if c.step == commits[0].step and s is not None]
-        t0 = min(starts) if starts else commits[0].time
-    end = max(c.time for c, _ in pairs)
-    kills = [float(m["time"]) for m in markers]
-    tl = Timeline(t0=t0, end=end, commits=commits, kills=kills, breakdown=[],
-                  kill_steps=[_kill_step(m) for m in markers], attempts=attempts, **kw)
-    _set_processes(tl, [(t0, tl.initial_processes)])
-    tl.breakdown = _cr_breakdown(tl, markers)
-    return tl
-
-
-def _attempt_of(tl: Timeline, t: float) -> int | None:
-    """Index in tl.attempts of the attempt running at time t (launch <= t <= exit)."""
-    best = None
-    for i, a in enumerate(tl.attempts):
-        lo = a["launch_time"] if a["launch_time"] is not None else _first_event(a["events"],
-                                                                                "launch_seen")
-        hi = a["exit_time"]
-        if lo is not None and lo <= t and (hi is None or t <= hi):
-            best = i
-    if best is None:   # no supervisor times: the last attempt with a commit or event before t
-        for i, a in enumerate(tl.attempts):
-            times = a["commit_times"] + [e["time"] for e in a["events"]]
-            if times and min(times) <= t:
-                best = i
-    return best
-
-
-def _cr_breakdown(tl: Timeline, markers: list[dict]) -> list[dict]:
-    saves = []   # (start, end) of every checkpoint save, all attempts
-    for a in tl.attempts:
-        for e in a["events"]:
-            if e["event"] == "ckpt_save_start":
-                end = next((x["time"] for x in a["events"] if x["event"] == "ckpt_save_end"
-                            and x.get("step") == e.get("step") and x["time"] >= e["time"]), None)
-                saves.append((e["time"], end))
-    saves.sort()
-    out = []
-    for i, m in enumerate(markers):
-        c = float(m["time"])
-        d = _empty_breakdown()
-        d.update(failure=i, kill_step=None, ckpt_interval=tl.ckpt_interval, C=c)
-        before = [s for s in saves if s[0] <= c]
-        if before:
-            d["A"], d["B"] = before[-1]
-        k = _attempt_of(tl, c)
-        cur = tl.attempts[k] if k is not None else None
-        nxt = tl.attempts[k + 1] if k is not None and k + 1 < len(tl.attempts) else None
-        step = _kill_step(m)
-        if step is None and cur is not None:
-            done = [s for s, t in zip(cur["steps"], cur["commit_times"]) if t <= c]
-            step = (max(done) + 1) if done else cur["resume_step"]
-        d["kill_step"] = step
-        d["attempt"] = cur["attempt"] if cur else None
-        d["D"] = cur["exit_time"] if cur else None
-        if nxt is not None:
-            d["E"] = _first_event(nxt["events"], "ckpt_load_start")
-            d["F"] = _first_event(nxt["events"], "ckpt_load_end")
-            d["G"] = _first_event(nxt["events"], "train_start")
-            d["H"] = next((t for s, t in zip(nxt["steps"], nxt["commit_times"]) if s == step),
-                          None)
-        A, B, C, D, E, F, G, H = (d[x] for x in "ABCDEFGH")
-        sub = lambda x, y: (x - y) if x is not None and y is not None else None  # noqa: E731
-        d["save"] = sub(B, A)
-        d["normal"] = sub(C, B)
-        d["failure_handling"] = sub(D, C)
-        d["load"] = sub(F, E) if E is not None or F is not None else 0.0
-        ri = sub(G, D)
-        d["restart_init"] = (ri - d["load"]) if ri is not None and d["load"] is not None else None
-        d["rerun"] = sub(H, G)
-        d["recovery"] = 0.0
-        if A is None:   # no checkpoint before the kill: A = B = the attempt's train_start
-            start = _first_event(cur["events"], "train_start") if cur else None
-            d["A"] = d["B"] = start if start is not None else tl.t0
-            d["save"], d["normal"] = 0.0, sub(C, d["B"])
         out.append(_finish(d))
     return out
 
