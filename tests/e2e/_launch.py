@@ -40,18 +40,27 @@ def run_training(cfg: dict, *, timeout: float = 180, env: dict | None = None) ->
               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
               "PATH": f"{Path(sys.executable).parent}:{e.get('PATH', '')}"})
     e.update(env or {})
+    cmd = mpirun_prefix(n) + ["-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
+                              sys.executable, "-m", "recover_hsdp.hsdp.trainer", str(cfg_path)]
+    return run_with_store(cmd, e, timeout=timeout,
+                          hung=f"training run timed out after {timeout} s")
+
+
+def run_with_store(cmd: list[str], env: dict, *, timeout: float,
+                   hung: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (an mpirun line) with a store served by this process (RECOVER_HSDP_STORE in
+    ``env``), output captured; past ``timeout`` the whole process group is SIGKILLed and the
+    test fails with ``hung`` and the output's tail."""
     with serve_store() as addr:
-        e["RECOVER_HSDP_STORE"] = addr
-        cmd = mpirun_prefix(n) + ["-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
-                                  sys.executable, "-m", "recover_hsdp.hsdp.trainer", str(cfg_path)]
-        p = subprocess.Popen(cmd, cwd=REPO, env=e, stdout=subprocess.PIPE,
+        env["RECOVER_HSDP_STORE"] = addr
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, _ = p.communicate()
-            raise AssertionError(f"training run timed out after {timeout} s:\n{out[-4000:]}")
+            raise AssertionError(f"{hung}:\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, "")
 
 

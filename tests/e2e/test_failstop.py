@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.hsdp.fsdp_hybrid import serve_store
 from recover_hsdp.record import read_run
-from tests.e2e._launch import REPO, mpirun_prefix
+from tests.e2e._launch import REPO, mpirun_prefix, run_with_store
 
 pytestmark = [pytest.mark.mpi]
 
@@ -28,20 +27,10 @@ def _loop(tmp: Path, W: int, S: int, rank: int, where: str, step: int, steps: in
           timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    with serve_store() as addr:
-        env["RECOVER_HSDP_STORE"] = addr
-        cmd = mpirun_prefix(W * S) + [sys.executable, str(REPO / "tests/e2e/_raising_loop.py"),
-                                      str(tmp), str(W), str(S), str(rank), where, str(step),
-                                      str(steps)]
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            raise AssertionError(f"custom loop hung ({timeout} s):\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+    cmd = mpirun_prefix(W * S) + [sys.executable, str(REPO / "tests/e2e/_raising_loop.py"),
+                                  str(tmp), str(W), str(S), str(rank), where, str(step),
+                                  str(steps)]
+    return run_with_store(cmd, env, timeout=timeout, hung=f"custom loop hung ({timeout} s)")
 
 
 @pytest.mark.timeout(360)
