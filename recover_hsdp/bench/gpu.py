@@ -28,14 +28,14 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from recover_hsdp.bench import harness as H
 
 REPO = Path(__file__).resolve().parents[2]
 #: dense bf16 peak FLOP/s by device name substring (the MFU denominator)
@@ -80,24 +80,7 @@ def _env() -> dict[str, str]:
 
 def _run(cmd: Sequence[str], log: Path, timeout: float) -> tuple[int, float]:
     """Run cmd (own session, output to log); (exit code, wall s). Killed whole at the timeout."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    with open(log, "w") as f:
-        f.write(" ".join(map(str, cmd)) + "\n")
-        f.flush()
-        proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=_env(), stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = 124
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    return rc, time.perf_counter() - t
+    return H.run_logged(cmd, log, max(1.0, timeout), env=_env())
 
 
 def _tail(log: Path, n: int = 3) -> str:
@@ -329,15 +312,7 @@ class Bench:
                                    "--out", str(out)] + (["--cpu"] if self.cpu else [])
         env = mpi_env({}, pythonpath=str(REPO))
         log = self.out / "s4_staging.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=max(10.0, min(self.left(), 120)))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                rc = 124
+        rc, _ = H.run_logged(cmd, log, max(10.0, min(self.left(), 120)), env=env)
         res: dict[str, Any] = {"rc": rc, "bucket_mb": mb}
         r0 = out / "rank0.json"
         if r0.exists():

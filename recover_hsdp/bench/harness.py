@@ -13,8 +13,10 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -205,6 +207,35 @@ def child_env(threads: int | None = None, **extra: str) -> dict[str, str]:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.update(extra)
     return env
+
+
+def run_logged(cmd: Sequence[Any], log: str | os.PathLike, timeout: float, *,
+               env: dict[str, str] | None = None,
+               cwd: str | os.PathLike = REPO) -> tuple[int, float]:
+    """Run ``cmd`` in its own session, its output (after the command line) to ``log``:
+    (exit code, wall s). Past ``timeout`` s the whole process group is SIGKILLed and the exit
+    code is 124; any exception while waiting (Ctrl-C) kills the group too and is re-raised.
+    ``env``: default :func:`child_env`."""
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(map(str, cmd)) + "\n")
+        f.flush()
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd,
+                                env=child_env() if env is None else env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    return rc, time.perf_counter() - t
 
 
 def free_port() -> int:

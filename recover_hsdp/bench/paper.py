@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,24 +127,10 @@ def train(run_dir: Path, overrides: Sequence[str], steps: int, args: argparse.Na
            f"run.time_limit_s={args.run_timeout_s}"]
     log = run_dir.parent / f"{run_dir.name}.log"
     _log(f"{run_dir.name}: {' '.join(overrides)}")
-    t = time.perf_counter()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.run_timeout_s + 120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise RuntimeError(f"{run_dir.name}: no result after {args.run_timeout_s + 120:.0f} s "
-                               f"(log: {log})") from None
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    wall = time.perf_counter() - t
+    rc, wall = H.run_logged(cmd, log, args.run_timeout_s + 120, env=_env())
+    if rc == 124:
+        raise RuntimeError(f"{run_dir.name}: no result after {args.run_timeout_s + 120:.0f} s "
+                           f"(log: {log})")
     if rc != 0:
         tail = log.read_text().strip().splitlines()[-3:]
         raise RuntimeError(f"{run_dir.name}: exit {rc} after {wall:.0f} s (log: {log}): "

@@ -1,0 +1,45 @@
+"""The bench harness's child-process runner (`harness.run_logged`, used by `bench gpu` and
+`bench paper`): the log starts with the command, the exit code comes back, and a child past its
+timeout is killed with its whole process group (exit code 124)."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from recover_hsdp.bench import harness as H
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in state   # killed, not yet reaped by its new parent
+
+
+def test_run_logged_returns_the_exit_code_and_logs_the_command(tmp_path):
+    log = tmp_path / "sub" / "child.log"
+    rc, wall = H.run_logged([sys.executable, "-c", "print('hello from the child'); exit(3)"],
+                            log, 60)
+    assert rc == 3 and 0 < wall < 60
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith(sys.executable) and "exit(3)" in lines[0]
+    assert "hello from the child" in lines[1:]
+
+
+def test_run_logged_kills_the_whole_group_at_the_timeout(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    t = time.monotonic()
+    rc, wall = H.run_logged([sys.executable, "-c", code], tmp_path / "hung.log", 3.0,
+                            env=dict(os.environ))
+    assert rc == 124 and wall < 30 and time.monotonic() - t < 30
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(grandchild), "the grandchild outlived the timeout (group not killed)"
