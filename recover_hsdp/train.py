@@ -162,6 +162,7 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         run_dir = Path(base, f"{i}_{override_dirname(swept)}") if multirun else Path(base)
         cfg = resolve_config(cfg, cwd=cwd, run_dir=run_dir, now=now)
         checked = validate(cfg)
+        _check_inputs(checked)
         if holds_run(run_dir) and not cfg.run.overwrite and not cfg.run.get("resume", False):
             from recover_hsdp.config import TrainConfigError
 
@@ -179,6 +180,17 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         raise TrainConfigError("two sweep jobs would share one run directory: give "
                                "run.output_dir per job or sweep fewer keys")
     return jobs
+
+
+def _check_inputs(checked) -> None:
+    """The dataset every rank opens, checked here once (issue 12): one line, exit 2, fast."""
+    from recover_hsdp.config import TrainConfigError
+    from recover_hsdp.data.preflight import InputUnavailable, check_inputs
+
+    try:
+        check_inputs(checked.data)
+    except InputUnavailable as e:
+        raise TrainConfigError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,6 +525,7 @@ def _hydra_task(cfg) -> None:
     try:
         resolved = resolve_config(cfg)
         job = Job(None, overrides, [], resolved, validate(resolved))
+        _check_inputs(job.checked)
         if holds_run(job.run_dir) and not resolved.run.overwrite:
             raise TrainConfigError(f"run.output_dir({str(job.run_dir)!r}) already holds a run: "
                                    f"choose another or set run.overwrite=true")

@@ -47,6 +47,10 @@ SUBPROCESS_CASES = {
     "vocab": (["model.vocab_size=999"], "model.vocab_size(999) != the vocab size"),
     "schedule": (["failures.schedule=bad_schedule.yaml"],
                  "failures.schedule[0]: replica 9 out of range [0, 2)"),
+    # issue 12: inputs every rank needs are checked by the launcher (one line, exit 2, fast);
+    # the hub is made unreachable by HF_ENDPOINT below (connection refused, no 30 s retries);
+    # missing files: test_missing_inputs_refused_before_launch (in process, same error path)
+    "hub": (["data=c4"], "the Hugging Face hub, which is not reachable from this machine"),
 }
 
 
@@ -56,8 +60,10 @@ def subprocess_results(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     (cwd / "bad_schedule.yaml").write_text(
         "- {step: 1, replica: 9, local_rank: 0, location: forward, microbatch: 0}\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("OMPI_COMM_WORLD_RANK", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_ENDPOINT="http://127.0.0.1:9")
+    for var in ("OMPI_COMM_WORLD_RANK", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        env.pop(var, None)
     procs = {name: subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train", *ovs],
                                     cwd=cwd, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -79,6 +85,19 @@ def test_bad_config_is_one_line_exit_2(subprocess_results, name):
     assert "Traceback" not in stderr and stdout == ""
     # nothing was written into the working directory (no run dir, no Hydra outputs)
     assert subprocess_results["_cwd_entries"] == ["bad_schedule.yaml"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data=local", "data.paths=[missing.jsonl]"], "missing.jsonl' does not exist"),
+    (["data=local", "data.paths=[.]"], "is not a regular file"),
+    (["data.tokenizer=missing.model"], "missing.model') does not exist"),
+])
+def test_missing_inputs_refused_before_launch(tmp_path, monkeypatch, overrides, expected):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TrainConfigError) as e:
+        prepare_jobs(overrides, multirun=False, cwd=tmp_path)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_flags(capsys):
