@@ -52,9 +52,12 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
-    """``--with-ft ulfm --oversubscribe [--allow-run-as-root] -n NP [-x VAR ...]``."""
+    """``--with-ft ulfm --mca coll <FT_COLL> --oversubscribe [--allow-run-as-root] -n NP
+    [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``)."""
+    from recover_hsdp.collectives.launch import ft_coll_args
+
     euid = os.geteuid() if euid is None else euid
-    args = ["--with-ft", "ulfm", "--oversubscribe"]
+    args = ["--with-ft", "ulfm", *ft_coll_args(), "--oversubscribe"]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]

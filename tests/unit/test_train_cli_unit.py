@@ -126,14 +126,17 @@ def test_mpirun_command_as_root_and_not(monkeypatch):
     cmd = launch.mpirun_command(4, "/r/launcher/config.yaml", mpirun="/x/mpirun",
                                 mpirun_args=["--bind-to", "none"],
                                 export=["RECOVER_HSDP_STORE", "OMP_NUM_THREADS"], euid=0)
-    assert cmd == ["/x/mpirun", "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root",
+    assert cmd == ["/x/mpirun", "--with-ft", "ulfm", "--mca", "coll",
+                   "self,basic,tuned,libnbc,ftagree", "--oversubscribe", "--allow-run-as-root",
                    "-n", "4", "-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
                    "--bind-to", "none",
                    "/venv/bin/python", "-m", "recover_hsdp.train", "--worker",
                    "/r/launcher/config.yaml"]
     cmd = launch.mpirun_command(2, "c.yaml", mpirun="mpirun", euid=1000)
-    assert "--allow-run-as-root" not in cmd and cmd[1:6] == ["--with-ft", "ulfm",
-                                                              "--oversubscribe", "-n", "2"]
+    assert "--allow-run-as-root" not in cmd and cmd[1:9] == [
+        "--with-ft", "ulfm", "--mca", "coll", "self,basic,tuned,libnbc,ftagree",
+        "--oversubscribe", "-n", "2"]
+    assert "han" not in cmd[5].split(",")      # failure-safe collectives only (issue 12)
 
 
 def test_rank_env_and_exports():
@@ -163,7 +166,8 @@ def test_dry_run_prints_the_launch(tmp_path, capsys, monkeypatch):
     assert f"# run directory: {tmp_path}/out" in out
     line = out.strip().splitlines()[-1]
     assert "OMP_NUM_THREADS=1" in line and "RECOVER_HSDP_SHARD_TIMEOUT_S=60.0" in line
-    assert "--with-ft ulfm --oversubscribe" in line and " -n 4 " in line
+    assert "--with-ft ulfm --mca coll self,basic,tuned,libnbc,ftagree --oversubscribe" in line
+    assert " -n 4 " in line
     assert ("--allow-run-as-root" in line) == (os.geteuid() == 0)
     assert line.endswith(f"--bind-to none {sys.executable} -m recover_hsdp.train --worker "
                          f"{tmp_path}/out/launcher/config.yaml")
