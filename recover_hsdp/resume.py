@@ -149,8 +149,9 @@ def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
     lost node (written to launcher/hosts.seg{k+1})."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.faults.nodeloss import (hostfile_in, lost_node, parse_hostfile,
-                                              plan_after_node_loss, relaunch_args)
+    from recover_hsdp.faults.nodeloss import (hostfile_in, lost_daemon_vpid, lost_node,
+                                              parse_hostfile, plan_after_node_loss,
+                                              relaunch_args)
 
     node = lost_node(log_text)
     if node is None:
@@ -165,7 +166,7 @@ def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
         return None, f"node {node or '?'} lost; hostfile {found[1]} unreadable ({e.strerror})"
     par = cfg.parallel
     plan, why = plan_after_node_loss(hosts, node, int(par.replicas), int(par.shard_size),
-                                     int(par.grad_accum))
+                                     int(par.grad_accum), vpid=lost_daemon_vpid(log_text))
     if plan is None:
         return None, f"node {node or '?'} lost (PRTE lost a daemon): {why}"
     hostfile = ldir / f"hosts.seg{k + 1}"
@@ -174,7 +175,7 @@ def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
     new.parallel.replicas, new.parallel.grad_accum = plan.replicas, plan.grad_accum
     new.run.np = plan.replicas * int(par.shard_size)
     new.run.mpirun_args = relaunch_args(args, hostfile)
-    return new, (f"node {node} lost (PRTE lost a daemon): relaunch without it at W'="
+    return new, (f"node {plan.lost} lost (PRTE lost a daemon): relaunch without it at W'="
                  f"{plan.replicas} x G'={plan.grad_accum} (B={plan.replicas * plan.grad_accum})")
 
 

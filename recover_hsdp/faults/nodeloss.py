@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 #: what mpirun (PRTE) prints when a remote daemon is gone (lower-case substrings)
 LOST_DAEMON = ("lost communication with a remote daemon", "lost connection to a remote daemon")
-_REMOTE = re.compile(r"remote daemon\s*:\s*\S+\s+on\s+node\s+(\S+)", re.IGNORECASE)
+_REMOTE = re.compile(r"remote daemon\s*:\s*\[[^\]]*?(?:,(\d+))?\]\s+on\s+node\s+(\S+)",
+                     re.IGNORECASE)
 HOSTFILE_FLAGS = ("--hostfile", "-hostfile", "--machinefile", "-machinefile")
 
 
@@ -30,7 +31,37 @@ def lost_node(output: str) -> Optional[str]:
     if not any(p in low for p in LOST_DAEMON):
         return None
     m = _REMOTE.search(output)
-    return m.group(1).strip(".,;") if m else ""
+    return m.group(2).strip(".,;") if m else ""
+
+
+def lost_daemon_vpid(output: str) -> Optional[int]:
+    """The lost daemon's PRTE vpid ("[prterun-...@0,1]" -> 1), None if not printed."""
+    m = _REMOTE.search(output)
+    return int(m.group(1)) if m and m.group(1) else None
+
+
+def _is_local(name: str) -> bool:
+    """``name`` is this machine: its hostname, or an address this process can bind."""
+    if name.split(".")[0] == socket.gethostname().split(".")[0]:
+        return True
+    for addr in _addrs(name):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+                s.bind((addr, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def host_of_vpid(hosts: Sequence[tuple[str, int]], vpid: int) -> Optional[str]:
+    """The hostfile entry PRTE gave daemon ``vpid``: vpid 0 is mpirun's own node (the HNP), the
+    others follow in hostfile order, the HNP's node skipped. For node names that do not match
+    the hostfile (PRTE prints the node's hostname, the hostfile may hold addresses)."""
+    names = [h for h, _ in hosts]
+    hnp = next((h for h in names if _is_local(h)), None)
+    order = ([hnp] if hnp else [None]) + [h for h in names if h != hnp]
+    return order[vpid] if 0 < vpid < len(order) else None
 
 
 def parse_hostfile(text: str) -> list[tuple[str, int]]:
@@ -87,14 +118,20 @@ class RelaunchPlan:
 
 
 def plan_after_node_loss(hosts: Sequence[tuple[str, int]], lost: str, replicas: int,
-                         shard_size: int, grad_accum: int) -> tuple[Optional[RelaunchPlan], str]:
-    """(plan, "") or (None, why not). W' = the largest divisor of B = W x G that is <= W and
-    fits the remaining hosts with a replica's S ranks on one node (sum of slots // S)."""
-    if not lost:
+                         shard_size: int, grad_accum: int, vpid: Optional[int] = None
+                         ) -> tuple[Optional[RelaunchPlan], str]:
+    """(plan, "") or (None, why not). The lost node is matched by name, else by its daemon's
+    vpid (:func:`host_of_vpid`). W' = the largest divisor of B = W x G that is <= W and fits
+    the remaining hosts with a replica's S ranks on one node (sum of slots // S)."""
+    if not lost and vpid is None:
         return None, "PRTE did not name the lost node"
-    left = tuple((h, s) for h, s in hosts if not same_host(h, lost))
-    if len(left) == len(hosts):
-        return None, f"the lost node {lost!r} is not in the hostfile"
+    left = tuple((h, s) for h, s in hosts if lost and not same_host(h, lost))
+    if len(left) == len(hosts) or not lost:
+        by_vpid = host_of_vpid(hosts, vpid) if vpid is not None else None
+        if by_vpid is None:
+            return None, f"the lost node {lost!r} is not in the hostfile"
+        left = tuple((h, s) for h, s in hosts if h != by_vpid)
+        lost = f"{lost} = {by_vpid}" if lost else by_vpid
     fit = sum(s // shard_size for _, s in left)
     B = replicas * grad_accum
     w = max((d for d in range(1, min(replicas, fit) + 1) if B % d == 0), default=0)

@@ -59,6 +59,22 @@ def test_plan_keeps_B(hosts, W, S, G, expect):
     assert plan.hostfile_text().splitlines()[0].endswith("slots=%d" % hosts[0][1])
 
 
+def test_node_named_by_hostname_hostfile_by_address(monkeypatch):
+    """Seen on the two-namespace set-up: PRTE names the node by its hostname (rn2), the hostfile
+    holds addresses; the daemon's vpid (1: the first node after mpirun's own) decides."""
+    import recover_hsdp.faults.nodeloss as nl
+
+    monkeypatch.setattr(nl, "_is_local", lambda h: h == "10.77.0.1")
+    monkeypatch.setattr(nl, "same_host", lambda a, b: a == b)
+    assert nl.lost_daemon_vpid(PRTE) == 1
+    hosts = [("10.77.0.1", 4), ("10.77.0.2", 4)]
+    plan, why = plan_after_node_loss(hosts, "rn2", 4, 2, 2, vpid=1)
+    assert why == "" and plan.hosts == (("10.77.0.1", 4),) and plan.lost == "rn2 = 10.77.0.2"
+    # mpirun started on a machine outside the hostfile: vpid v is the v-th host
+    monkeypatch.setattr(nl, "_is_local", lambda h: False)
+    assert nl.host_of_vpid(hosts, 1) == "10.77.0.1" and nl.host_of_vpid(hosts, 3) is None
+
+
 def test_no_plan_reasons():
     hosts = [("rn1", 1), ("rn2", 4)]
     assert plan_after_node_loss(hosts, "", 2, 1, 1) == (None, "PRTE did not name the lost node")
@@ -79,7 +95,7 @@ def test_launcher_relaunch_config(tmp_path):
         "run.ckpt_interval=5", f"run.mpirun_args=[--hostfile,{hosts},--map-by,ppr:4:node]"]),
         cwd=tmp_path)
     new, msg = node_loss_config(cfg, "step 7\n" + PRTE, tmp_path, 0)
-    assert msg == "node rn2 lost (PRTE lost a daemon): relaunch without it at W'=2 x G'=4 (B=8)"
+    assert msg == "node rn2 lost (PRTE lost a daemon): relaunch without it at W'=2 x G'=4 (B=8)", msg
     assert (new.parallel.replicas, new.parallel.grad_accum, new.run.np) == (2, 4, 4)
     assert list(new.run.mpirun_args) == ["--hostfile", str(tmp_path / "hosts.seg1"),
                                          "--map-by", "ppr:4:node"]
