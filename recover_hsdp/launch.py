@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 #: Env knobs every rank gets (exported to remote nodes with ``-x``).
 ENV_STORE = "RECOVER_HSDP_STORE"                 # = fsdp_hybrid.ENV_STORE
@@ -52,9 +52,12 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
-    """``--with-ft ulfm --oversubscribe [--allow-run-as-root] -n NP [-x VAR ...]``."""
+    """``--with-ft ulfm --mca coll <FT_COLL> --oversubscribe [--allow-run-as-root] -n NP
+    [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``)."""
+    from recover_hsdp.collectives.launch import ft_coll_args
+
     euid = os.geteuid() if euid is None else euid
-    args = ["--with-ft", "ulfm", "--oversubscribe"]
+    args = ["--with-ft", "ulfm", *ft_coll_args(), "--oversubscribe"]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]
@@ -99,7 +102,8 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
     """The knobs to pass with ``-x`` (only those set: mpirun warns about unset ones)."""
     names = [ENV_STORE, ENV_OMP, ENV_SHARD_TIMEOUT, "PYTHONUNBUFFERED", "PYTHONPATH", ENV_WORKER_FN,
              "RECOVER_HSDP_CACHE", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
-             "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1"]
+             "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1",
+             "RECOVER_HSDP_STARTUP_FAULT"]
     return [n for n in names if n in env]
 
 
@@ -142,7 +146,9 @@ def store_host_problem(host: str) -> str | None:
 class JobOutcome:
     returncode: int | None     # mpirun's (None if it had to be killed without reaping)
     wall_s: float
-    stopped: str | None        # None, "interrupted" (Ctrl-C / SIGTERM) or "time_limit"
+    stopped: str | None        # None, "interrupted" (Ctrl-C / SIGTERM), "time_limit" or
+                               # "startup" (``watch`` reported a failed start-up)
+    reason: str | None = None  # ``watch``'s one line when stopped == "startup"
 
 
 class _Stop(Exception):
@@ -213,10 +219,12 @@ def _pump(src: IO[bytes], sinks: Sequence[IO[bytes]]) -> None:
 
 def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.PathLike | None
             = None, time_limit_s: float | None = None, stdout: IO[bytes] | None = None,
-            grace_s: float = STOP_GRACE_S) -> JobOutcome:
+            grace_s: float = STOP_GRACE_S,
+            watch: Callable[[], str | None] | None = None) -> JobOutcome:
     """Run ``cmd`` (mpirun ...) to completion, streaming its merged stdout/stderr to ``stdout``
     (default: this process's stdout) and ``log_path``. Ctrl-C, SIGTERM to the launcher, or
-    ``time_limit_s`` stop the job (:func:`stop_job`); the outcome says which."""
+    ``time_limit_s`` stop the job (:func:`stop_job`); the outcome says which. ``watch`` (polled
+    every 0.2 s) returning a line stops it too: a start-up failure (faults/startup.py)."""
     out = stdout if stdout is not None else sys.stdout.buffer
     log = open(log_path, "ab") if log_path is not None else None
     t0 = time.monotonic()
@@ -233,12 +241,16 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
     old_term = None
     if threading.current_thread() is threading.main_thread():
         old_term = signal.signal(signal.SIGTERM, on_term)
-    stopped = None
+    stopped, reason = None, None
     try:
         deadline = None if time_limit_s is None else t0 + time_limit_s
         while proc.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
                 raise _Stop("time_limit")
+            if watch is not None:
+                reason = watch()
+                if reason:
+                    raise _Stop("startup")
             try:
                 proc.wait(0.2)
             except subprocess.TimeoutExpired:
@@ -255,7 +267,7 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
         pump.join(5)
         if log is not None:
             log.close()
-    return JobOutcome(proc.returncode, time.monotonic() - t0, stopped)
+    return JobOutcome(proc.returncode, time.monotonic() - t0, stopped, reason)
 
 
 # ---------------------------------------------------------------------------------------------

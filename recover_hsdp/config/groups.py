@@ -135,10 +135,13 @@ class RunConfig:
     resume: bool = False                   # continue run.output_dir from its newest checkpoint
     min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
     max_restarts: int = 3                  # automatic full-width relaunches of one launcher
+    # deaths before the world forms (issue 12, faults/startup.py): relaunch up to start_retries
+    start_retries: int = 1
+    startup_timeout_s: Optional[float] = None  # the world must form within; null: 65 s (derived)
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
-        for key in ("ckpt_interval", "min_replicas", "max_restarts"):
+        for key in ("ckpt_interval", "min_replicas", "max_restarts", "start_retries"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise TrainConfigError(f"run.{key}({getattr(self, key)!r}) must be an integer "
                                        f">= 0")
@@ -158,6 +161,10 @@ class RunConfig:
         if self.time_limit_s is not None and (not _is_real(self.time_limit_s)
                                               or not self.time_limit_s > 0):
             raise TrainConfigError(f"run.time_limit_s({self.time_limit_s!r}) must be > 0 or null")
+        if self.startup_timeout_s is not None and (not _is_real(self.startup_timeout_s)
+                                                   or not self.startup_timeout_s > 0):
+            raise TrainConfigError(f"run.startup_timeout_s({self.startup_timeout_s!r}) must be "
+                                   f"> 0 or null")
         if self.name is not None and (not self.name or "/" in self.name
                                       or self.name in (".", "..")):
             raise TrainConfigError(f"run.name({self.name!r}) must be a plain directory name")

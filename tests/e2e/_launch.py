@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 def mpirun_prefix(n: int) -> list[str]:
     bindir = Path(sys.executable).parent
     mpirun = bindir / "mpirun"
-    cmd = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm", "--oversubscribe",
+    from recover_hsdp.collectives.launch import ft_coll_args
+
+    cmd = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm", *ft_coll_args(),
+           "--oversubscribe",
            "--bind-to", "none", "-n", str(n)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")

@@ -47,6 +47,10 @@ SUBPROCESS_CASES = {
     "vocab": (["model.vocab_size=999"], "model.vocab_size(999) != the vocab size"),
     "schedule": (["failures.schedule=bad_schedule.yaml"],
                  "failures.schedule[0]: replica 9 out of range [0, 2)"),
+    # issue 12: inputs every rank needs are checked by the launcher (one line, exit 2, fast);
+    # the hub is made unreachable by HF_ENDPOINT below (connection refused, no 30 s retries);
+    # missing files: test_missing_inputs_refused_before_launch (in process, same error path)
+    "hub": (["data=c4"], "the Hugging Face hub, which is not reachable from this machine"),
 }
 
 
@@ -56,8 +60,10 @@ def subprocess_results(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     (cwd / "bad_schedule.yaml").write_text(
         "- {step: 1, replica: 9, local_rank: 0, location: forward, microbatch: 0}\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("OMPI_COMM_WORLD_RANK", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_ENDPOINT="http://127.0.0.1:9")
+    for var in ("OMPI_COMM_WORLD_RANK", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        env.pop(var, None)
     procs = {name: subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train", *ovs],
                                     cwd=cwd, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -79,6 +85,19 @@ def test_bad_config_is_one_line_exit_2(subprocess_results, name):
     assert "Traceback" not in stderr and stdout == ""
     # nothing was written into the working directory (no run dir, no Hydra outputs)
     assert subprocess_results["_cwd_entries"] == ["bad_schedule.yaml"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data=local", "data.paths=[missing.jsonl]"], "missing.jsonl' does not exist"),
+    (["data=local", "data.paths=[.]"], "is not a regular file"),
+    (["data.tokenizer=missing.model"], "missing.model') does not exist"),
+])
+def test_missing_inputs_refused_before_launch(tmp_path, monkeypatch, overrides, expected):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TrainConfigError) as e:
+        prepare_jobs(overrides, multirun=False, cwd=tmp_path)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_flags(capsys):
@@ -107,14 +126,17 @@ def test_mpirun_command_as_root_and_not(monkeypatch):
     cmd = launch.mpirun_command(4, "/r/launcher/config.yaml", mpirun="/x/mpirun",
                                 mpirun_args=["--bind-to", "none"],
                                 export=["RECOVER_HSDP_STORE", "OMP_NUM_THREADS"], euid=0)
-    assert cmd == ["/x/mpirun", "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root",
+    assert cmd == ["/x/mpirun", "--with-ft", "ulfm", "--mca", "coll",
+                   "self,basic,tuned,libnbc,ftagree", "--oversubscribe", "--allow-run-as-root",
                    "-n", "4", "-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
                    "--bind-to", "none",
                    "/venv/bin/python", "-m", "recover_hsdp.train", "--worker",
                    "/r/launcher/config.yaml"]
     cmd = launch.mpirun_command(2, "c.yaml", mpirun="mpirun", euid=1000)
-    assert "--allow-run-as-root" not in cmd and cmd[1:6] == ["--with-ft", "ulfm",
-                                                              "--oversubscribe", "-n", "2"]
+    assert "--allow-run-as-root" not in cmd and cmd[1:9] == [
+        "--with-ft", "ulfm", "--mca", "coll", "self,basic,tuned,libnbc,ftagree",
+        "--oversubscribe", "-n", "2"]
+    assert "han" not in cmd[5].split(",")      # failure-safe collectives only (issue 12)
 
 
 def test_rank_env_and_exports():
@@ -144,7 +166,8 @@ def test_dry_run_prints_the_launch(tmp_path, capsys, monkeypatch):
     assert f"# run directory: {tmp_path}/out" in out
     line = out.strip().splitlines()[-1]
     assert "OMP_NUM_THREADS=1" in line and "RECOVER_HSDP_SHARD_TIMEOUT_S=60.0" in line
-    assert "--with-ft ulfm --oversubscribe" in line and " -n 4 " in line
+    assert "--with-ft ulfm --mca coll self,basic,tuned,libnbc,ftagree --oversubscribe" in line
+    assert " -n 4 " in line
     assert ("--allow-run-as-root" in line) == (os.geteuid() == 0)
     assert line.endswith(f"--bind-to none {sys.executable} -m recover_hsdp.train --worker "
                          f"{tmp_path}/out/launcher/config.yaml")

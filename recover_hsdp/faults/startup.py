@@ -1,0 +1,140 @@
+"""Deaths during start-up, before the world forms (issue 12; docs/faults.md "Start-up").
+
+Until every rank has joined the rendezvous and built its groups, ULFM has nothing to recover: a
+rank that dies there leaves the others blocked in the TCPStore rendezvous until its timeout
+(60 s, ``topology.DEFAULT_STORE_TIMEOUT_S``), and the job is gone. The launcher watches instead:
+
+* each rank writes ``ranks/start.rank{g}.json`` (pid, host, time) first thing in
+  ``recover_hsdp.train --worker`` (:func:`mark_start`), before torch, MPI or the store;
+* the world has FORMED when every rank's heartbeat ``ranks/rank{g}.json`` exists (written once
+  its shard groups and world communicator are built) or a step was committed;
+* :class:`StartupWatch` (polled by the launcher every 0.2 s) reports a start-up failure when,
+  before the world formed, a started rank on this host is dead (detected in < 1 s), or the world
+  has not formed within the start-up bound (a rank that died before its marker, a remote one).
+
+The launcher then stops the job and launches it again, up to ``run.start_retries`` times (a start
+is cheap and nothing was committed), then fails with one line. A rank that logged an error
+(``errors/``) is not retried: the same input would fail the same way; the launcher judges it.
+
+Test seam: ``RECOVER_HSDP_STARTUP_FAULT=<g>[:exit]`` makes global rank g SIGKILL itself (or
+``exit(1)``) at start-up, the first launch of a run directory only
+(``launcher/startup_fault.done`` records it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from recover_hsdp.faults.failstop import ENV_RUN_DIR, ERRORS_DIR, RANKS_DIR, _alive
+
+ENV_STARTUP_FAULT = "RECOVER_HSDP_STARTUP_FAULT"
+FAULT_DONE = "launcher/startup_fault.done"
+#: the ranks' own rendezvous bound (topology.DEFAULT_STORE_TIMEOUT_S), the watch's default
+#: bound is derived from it: a world that has not formed when the store would give up never will
+STORE_TIMEOUT_S = 60.0
+
+
+def _rank_env() -> Optional[int]:
+    v = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK"))
+    return int(v) if v and v.isdigit() else None
+
+
+def mark_start(run_dir: Optional[os.PathLike | str] = None) -> None:
+    """In a rank, first thing: write ranks/start.rank{g}.json; then the test seam, if set."""
+    run_dir = run_dir or os.environ.get(ENV_RUN_DIR)
+    g = _rank_env()
+    if not run_dir or g is None:
+        return
+    d = Path(run_dir) / RANKS_DIR
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        rec = {"rank": g, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+        tmp = d / f".start.rank{g}.json.tmp"
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, d / f"start.rank{g}.json")
+    except OSError:
+        pass
+    seam = os.environ.get(ENV_STARTUP_FAULT)
+    if seam:
+        who, _, how = seam.partition(":")
+        done = Path(run_dir) / FAULT_DONE
+        if who.isdigit() and int(who) == g and not done.exists():
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.write_text(f"rank {g} {how or 'kill'} at start-up\n")
+            print(f"[recover_hsdp] rank {g}: test seam {ENV_STARTUP_FAULT}: "
+                  f"{how or 'kill'} at start-up", file=sys.stderr, flush=True)
+            if how == "exit":
+                os._exit(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def startup_bound_s(store_timeout_s: float = STORE_TIMEOUT_S) -> float:
+    """The default start-up bound: the store's own timeout plus the time to notice (the ranks
+    give up at the store timeout; mpirun has started them all well before)."""
+    return store_timeout_s + 5.0
+
+
+def clear_startup_state(run_dir: os.PathLike | str) -> None:
+    """Before a relaunch: forget the failed start's markers and heartbeats (nothing committed)."""
+    d = Path(run_dir) / RANKS_DIR
+    if d.is_dir():
+        for p in d.iterdir():
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+class StartupWatch:
+    """Launcher side: ``poll()`` -> None while the start is fine (or done), else why it failed."""
+
+    def __init__(self, run_dir: os.PathLike | str, world_size: int,
+                 bound_s: Optional[float] = None, *, now: Optional[float] = None):
+        self.run_dir = Path(run_dir)
+        self.world_size = int(world_size)
+        self.bound_s = startup_bound_s() if not bound_s else float(bound_s)
+        self.t0 = time.time() if now is None else now
+        self.formed = False
+        self.formed_after_s: Optional[float] = None
+        self._host = socket.gethostname()
+
+    def _formed(self) -> bool:
+        d = self.run_dir / RANKS_DIR
+        if all((d / f"rank{g}.json").exists() for g in range(self.world_size)):
+            return True
+        steps = self.run_dir / "steps"
+        return steps.is_dir() and any(steps.iterdir())
+
+    def errors_logged(self) -> bool:
+        d = self.run_dir / ERRORS_DIR
+        return d.is_dir() and any(d.glob("rank*.json"))
+
+    def poll(self, now: Optional[float] = None) -> Optional[str]:
+        if self.formed:
+            return None
+        now = time.time() if now is None else now
+        if self._formed():
+            self.formed, self.formed_after_s = True, now - self.t0
+            return None
+        d = self.run_dir / RANKS_DIR
+        for p in sorted(d.glob("start.rank*.json")) if d.is_dir() else ():
+            try:
+                m = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if m.get("host") == self._host and not _alive(int(m["pid"])):
+                if (d / f"rank{int(m['rank'])}.json").exists():
+                    continue          # it joined the world: a failure for ULFM, not start-up
+                return (f"rank {m['rank']} (pid {m['pid']}) died during start-up, before the "
+                        f"world formed")
+        if now - self.t0 > self.bound_s:
+            started = len(list(d.glob("start.rank*.json"))) if d.is_dir() else 0
+            return (f"the world did not form within {self.bound_s:g} s (run.startup_timeout_s; "
+                    f"{started}/{self.world_size} ranks started)")
+        return None
