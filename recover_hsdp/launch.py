@@ -99,7 +99,8 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
     """The knobs to pass with ``-x`` (only those set: mpirun warns about unset ones)."""
     names = [ENV_STORE, ENV_OMP, ENV_SHARD_TIMEOUT, "PYTHONUNBUFFERED", "PYTHONPATH", ENV_WORKER_FN,
              "RECOVER_HSDP_CACHE", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
-             "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1"]
+             "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1",
+             "RECOVER_HSDP_TEST_FAULT", "RECOVER_HSDP_ALLOW_TEST_FAULT"]
     return [n for n in names if n in env]
 
 
