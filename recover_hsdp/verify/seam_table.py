@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, bad = [], 0
     for opt in a.optim:
-        tag = opt.replace(" ", "").replace("=", "").replace("(", "").replace(")", "")
+        tag = "".join(ch for ch in opt if ch.isalnum() or ch == "-")
         if opt == "adamw":
             plans = [(f"{tag}-{k}", 1, 2, f"{k}@1:1", {1: k}) for k in KINDS]
         else:
