@@ -362,6 +362,10 @@ def worker_main(path: str) -> int:
         cfg = load_config(path)
         check_world(cfg, int(world) if world else None)
         fn = load_worker_fn(cfg)
+        from recover_hsdp.faults.seam import refusal
+
+        if refusal():
+            raise RuntimeError(refusal())
     except (TrainConfigError, RuntimeError) as e:
         print(f"{PROG} --worker [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -391,6 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error("started inside an MPI job: `recover-hsdp train` launches mpirun itself "
                     "(run it outside mpirun; ranks run `python -m recover_hsdp.train --worker "
                     "FILE`)")
+        return EXIT_CONFIG
+    from recover_hsdp.faults.seam import refusal
+
+    if refusal():               # the verifier's test-only fault seam (recover_hsdp/faults/seam.py)
+        print_error(refusal())
         return EXIT_CONFIG
 
     from recover_hsdp.config import TrainConfigError

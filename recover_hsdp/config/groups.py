@@ -112,8 +112,9 @@ class RunConfig:
     overwrite: bool = False                # replace an existing run in output_dir
     seed: int = 0                          # model initialisation (same on every rank)
     log_every: int = 1                     # steps between log lines
-    save_params_every: int = 5             # parameter snapshots every N steps (+ init, final);
-                                           # 0: init and final only
+    save_params_every: Any = "auto"        # parameter snapshots every N steps (+ init, final);
+                                           # 0: init and final only; auto: by size (every step
+                                           # while a rank's shard <= 256 MiB, docs/verify.md)
     shard_timeout_s: float = 60.0          # shard-group collective timeout (hung peer)
     np: Optional[int] = None               # ranks to launch; null: replicas * shard_size
     mpirun: Optional[str] = None           # mpirun executable; null: next to python, else PATH
@@ -147,9 +148,10 @@ class RunConfig:
                                        f">= 0")
         if not _is_int(self.seed) or self.seed < 0:
             raise TrainConfigError(f"run.seed({self.seed!r}) must be an integer >= 0")
-        if not _is_int(self.save_params_every) or self.save_params_every < 0:
+        if self.save_params_every != "auto" and (not _is_int(self.save_params_every)
+                                                 or self.save_params_every < 0):
             raise TrainConfigError(f"run.save_params_every({self.save_params_every!r}) must be "
-                                   f"an integer >= 0 (0: initial and final parameters only)")
+                                   f"auto or an integer >= 0 (0: initial and final parameters only)")
         if not _is_real(self.shard_timeout_s) or not self.shard_timeout_s > 0:
             raise TrainConfigError(f"run.shard_timeout_s({self.shard_timeout_s!r}) must be > 0")
         if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node)

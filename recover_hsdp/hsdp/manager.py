@@ -177,6 +177,9 @@ class HSDPULFMTrainingManager:
         self.orch = StepTxnOrchestrator(_FaultPoints(self.cross, self), self.policy,
                                         self.topo.replica_of_rank,
                                         restore_enabled=restore_enabled, log=self.log)
+        from recover_hsdp.hsdp.fault_seam import RunFaults
+
+        self.seam = RunFaults.from_env()  # test only: None unless RECOVER_HSDP_TEST_FAULT allowed
 
     def set_failure_schedule(self, schedule, before_kill=None) -> None:
         """Install the failure simulator's schedule: a FailureSchedule, or a list of entries
@@ -261,8 +264,12 @@ class HSDPULFMTrainingManager:
                     failstop.set_context("backward", step)
                     return loss
 
+                seam = self.seam
                 try:
-                    loss = self.acc.microbatch(closure, contribute=keep)
+                    loss = self.acc.microbatch(closure, contribute=keep if seam is None else
+                                               seam.contribute(self, step, m, keep))
+                    if seam is not None:
+                        seam.after_microbatch(self, step, m, keep, mb_id)
                 except RuntimeError as e:
                     if fh.shard_group_failure_kind(e) is None:
                         raise
@@ -279,6 +286,8 @@ class HSDPULFMTrainingManager:
             buckets = fh.grad_shards(self.module)
             self._buckets = buckets
             self._bucket_index = {t.data_ptr(): i for i, t in enumerate(buckets)}
+            if self.seam is not None:
+                self.seam.before_reduce(self, step, buckets)
             for t in buckets:
                 orch.enqueue_bucket(t)
             orch.fire_deferred_allreduces()

@@ -76,9 +76,12 @@ def run_worker(cfg: Any) -> int:
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
         W, S, G, n_buckets, steps=steps, base_dir=None)
+    from recover_hsdp.record.params import snapshot_every
+
+    shard_bytes = sum(t.numel() * t.element_size() for t in fh.local_flat_shards(mgr.module))
+    every = snapshot_every(run.get("save_params_every", "auto"), shard_bytes)
     recorder = RunRecorder(run_dir, mgr.rank, mgr.replica, mgr.shard_index,
-                           params_every=int(run.get("save_params_every", 1) or 0) or 10**9,
-                           final_step=steps - 1)
+                           params_every=every or 10**9, final_step=steps - 1)
     mgr.set_failure_schedule(schedule, before_kill=recorder.fault_fired)
     # meta.json must be byte-identical on every rank: describe the layout as seen by shard 0
     # (flat_shard_from_full derives any shard j from padded_numel and shard_size)
@@ -92,7 +95,7 @@ def run_worker(cfg: Any) -> int:
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
-            "restore_enabled": mgr.restore_enabled, "processes_per_replica": S,
+            "restore_enabled": mgr.restore_enabled, "save_params_every": every, "processes_per_replica": S,
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
             else "custom", "device": mgr.device.type,
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}

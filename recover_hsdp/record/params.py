@@ -35,6 +35,27 @@ def param_file(run_dir: str | Path, step: int, shard_index: int, replica: int) -
     return step_dir(run_dir, step) / f"shard{shard_index}.replica{replica}.pt"
 
 
+#: run.save_params_every=auto: a snapshot every step while one rank's shard is at most this big
+AUTO_SNAPSHOT_BYTES = 256 * 2**20
+
+
+def snapshot_every(setting, shard_bytes: int) -> int:
+    """The snapshot interval for ``run.save_params_every`` (docs/verify.md, "Snapshots by size").
+
+    An integer N >= 0 is kept (0: init and final only). ``"auto"``: 1 (every step, the sharp
+    verdict) while one rank's parameter shard is <= 256 MiB; above, one snapshot per
+    ``5 * ceil(shard / 256 MiB)`` steps, clamped to 10..50 (257 MiB -> 10, 1 GiB -> 20, a 1B-param
+    fp32 model on one rank, 4 GiB -> 50), so the copy and the disk write stay a small fraction of
+    the steps' time and the disk holds at most ~1/10 of a copy per step."""
+    if setting == "auto":
+        if shard_bytes <= AUTO_SNAPSHOT_BYTES:
+            return 1
+        return min(50, max(10, 5 * -(-int(shard_bytes) // AUTO_SNAPSHOT_BYTES)))
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+        raise ValueError(f"save_params_every must be 'auto' or an integer >= 0 (got {setting!r})")
+    return setting
+
+
 class ParamWriter:
     """Snapshots of one rank's parameter shard.
 

@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                         "surviving replica's copy, and check that they agree)")
     p.add_argument("--device", default="cpu", help="replay device (default cpu)")
     p.add_argument("--until", type=int, default=None, help="stop after this step")
+    p.add_argument("--keep-going", action="store_true",
+                   help="do not stop at the first failing step: list every failing step "
+                        "(re-anchored at the run's parameters after each)")
     p.add_argument("--records-only", action="store_true",
                    help="check the record invariants only (no replay)")
     p.add_argument("--quiet", action="store_true",
@@ -123,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             device=args.device, until=args.until, anchor=args.anchor,
                             all_copies=not args.one_copy, envelope=args.envelope,
                             records_only=args.records_only, strict=args.strict,
+                            keep_going=args.keep_going,
                             c_strict=args.c_strict, on_step=on_step, on_note=on_note,
                             on_header=lambda text: print(text, file=out, flush=True))
     except KeyboardInterrupt:

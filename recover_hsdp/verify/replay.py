@@ -44,7 +44,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
                device: str = "cpu", until: int | None = None, records_only: bool = False,
                anchor: bool = True, all_copies: bool = True, envelope: float | None = None,
-               strict: bool = True, c_strict: float | None = None,
+               strict: bool = True, c_strict: float | None = None, keep_going: bool = False,
                on_step: Callable[[StepReport], None] | None = None,
                on_note: Callable[[str], None] | None = None,
                on_header: Callable[[str], None] | None = None) -> VerifyResult:
@@ -60,6 +60,8 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
     envelope=K: also replay a twin in the HSDP summation order (S row slices per microbatch,
     per-replica partial sums, reverse replica order) and widen each tolerance to K times the
     twin-vs-replay difference: an empirical envelope of honest divergence (twice the compute).
+    keep_going: a step whose parameters fail is listed (failed_steps), the replay re-anchors at
+    the run's parameters and goes on; the verdict names the first and counts them all.
     """
     t0 = time.perf_counter()
     result = VerifyResult(run_dir=str(run_dir), ok=False, exit_code=EXIT_ERROR, message="")
@@ -74,7 +76,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
                                                             rms_atol=rms_atol, rtol=rtol),
                 rel_floor=rel_floor, device=device, until=until, records_only=records_only,
                 anchor=anchor, all_copies=all_copies, envelope=envelope, on_step=on_step,
-                on_header=on_header, strict=strict, c_strict=c_strict)
+                on_header=on_header, strict=strict, c_strict=c_strict, keep_going=keep_going)
     except _Failed as f:
         result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
         result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
@@ -90,7 +92,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
 
 def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
             until, records_only, anchor, all_copies, on_step, on_header=None,
-            envelope=None, strict=True, c_strict=None) -> None:
+            envelope=None, strict=True, c_strict=None, keep_going=False) -> None:
     spec, record, steps, n_epochs = check_before_replay(run_dir, result, note)
     no_epochs_note = ("the step records carry no per-bucket membership epochs (bucket_epochs; "
                       "an older trainer): the one-membership check was skipped")
@@ -218,6 +220,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         note("no params/init snapshot: initial parameters not checked")
 
     last = max(steps) if until is None else min(max(steps), until)
+    failed: list[_Failed] = []
     for s in range(0, last + 1):
         t1 = time.perf_counter()
         rec = steps[s]
@@ -280,17 +283,24 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                 elif rep.max_rms is not None:
                     what += (f" (flat-param RMS {_fmt(rep.max_rms)} within rms_tol "
                              f"{_fmt(bulk_tol)}: an isolated element, see docs/verify.md)")
-            raise _Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
-                                    "where": rep.where, "max_abs": rep.max_abs,
-                                    "max_rel": rep.max_rel, "max_rms": rep.max_rms,
-                                    "tol": el_tol, "rms_tol": bulk_tol,
-                                    "strict_ratio": rep.strict_ratio})
+            failed.append(_Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
+                                            "where": rep.where, "max_abs": rep.max_abs,
+                                            "max_rel": rep.max_rel, "max_rms": rep.max_rms,
+                                            "tol": el_tol, "rms_tol": bulk_tol,
+                                            "strict_ratio": rep.strict_ratio}))
+            result.failed_steps.append(s)
+            if not keep_going:
+                raise failed[0]
         prev_is_run = False
         if anchor and rep.compared and comparator.load_into(model, s):
             if twin is not None:
                 comparator.load_into(twin[0], s)
             tol.reset_window()
             prev_is_run = True
+    if failed:
+        failed[0].message += (f" [--keep-going: {len(failed)} of {last + 1} steps failed: "
+                              f"{', '.join(str(f.step) for f in failed)}]")
+        raise failed[0]
     result.ok, result.exit_code = True, EXIT_OK
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
     result.message = (f"verify: OK  steps={result.steps_replayed}  "

@@ -51,6 +51,7 @@ class VerifyResult:
     tolerance: str = ""
     failed_step: int | None = None
     failure: dict | None = None
+    failed_steps: list[int] = field(default_factory=list)   # keep_going: every failing step
     header: str = ""
     notes: list[str] = field(default_factory=list)
     reports: list[StepReport] = field(default_factory=list)

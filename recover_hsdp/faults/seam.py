@@ -1,0 +1,85 @@
+"""The verifier's real-process fault seam: make a running trainer commit ONE wrong step.
+
+TEST ONLY, off by default. ``RECOVER_HSDP_TEST_FAULT="KIND@STEP[:REPLICA]"`` (comma-separated for
+several) is honoured by the manager only when ``RECOVER_HSDP_ALLOW_TEST_FAULT=1`` is set too;
+`recover-hsdp train` refuses the first without the second (one line, exit 2), and a rank that
+sees the first without the second refuses to start. The record is NOT told: it lists exactly
+what the policy assigned, so only the parameters betray the fault (`recover-hsdp verify` must
+reject the run at STEP; tests/e2e/test_verify_seam.py, docs/verify.md "Real processes").
+
+Kinds (REPLICA, default 0, applies it on every one of its S shard ranks, in lockstep):
+
+* ``extra_mb``     one microbatch more than recorded: after its first kept microbatch the replica
+                   also trains the id its slice would compute next step (a real, unrecorded id)
+* ``drop_mb``      its first kept microbatch is computed but left out of the sum (still recorded)
+* ``double_mb``    its first kept microbatch is trained twice (counted twice, recorded once)
+* ``stale_bucket`` its local shard of bucket 0 (before the cross-replica reduction) is the one of
+                   the PREVIOUS step: a bucket reduced from a stale gradient, never rewound
+
+Pure Python: the torch side is recover_hsdp/hsdp/fault_seam.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+ENV_FAULT = "RECOVER_HSDP_TEST_FAULT"
+ENV_ALLOW = "RECOVER_HSDP_ALLOW_TEST_FAULT"
+KINDS = ("extra_mb", "drop_mb", "double_mb", "stale_bucket")
+
+
+class SeamError(ValueError):
+    """The seam's environment is malformed or not allowed (one line)."""
+
+
+@dataclass(frozen=True)
+class TestFault:
+    kind: str
+    step: int
+    replica: int = 0
+
+
+def parse(text: str) -> list[TestFault]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            kind, rest = part.split("@", 1)
+            step, _, rep = rest.partition(":")
+            f = TestFault(kind.strip(), int(step), int(rep) if rep else 0)
+        except ValueError:
+            raise SeamError(f"{ENV_FAULT}: {part!r} is not KIND@STEP[:REPLICA]") from None
+        if f.kind not in KINDS:
+            raise SeamError(f"{ENV_FAULT}: unknown kind {f.kind!r} (one of {', '.join(KINDS)})")
+        if f.step < 0 or f.replica < 0:
+            raise SeamError(f"{ENV_FAULT}: {part!r}: step and replica must be >= 0")
+        if f.kind == "stale_bucket" and f.step < 1:
+            raise SeamError(f"{ENV_FAULT}: {part!r}: stale_bucket needs a previous step (>= 1)")
+        out.append(f)
+    return out
+
+
+def refusal(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """None when the seam is off or explicitly allowed; else the one-line reason to refuse."""
+    env = os.environ if env is None else env
+    if not env.get(ENV_FAULT):
+        return None
+    if env.get(ENV_ALLOW) != "1":
+        return (f"{ENV_FAULT} is set: a test-only seam that makes training commit WRONG steps; "
+                f"unset it (tests also set {ENV_ALLOW}=1)")
+    try:
+        parse(env[ENV_FAULT])
+    except SeamError as e:
+        return str(e)
+    return None
+
+
+def from_env(env: Optional[Mapping[str, str]] = None) -> list[TestFault]:
+    """The faults to inject ([] when the seam is off); SeamError when set but not allowed."""
+    env = os.environ if env is None else env
+    why = refusal(env)
+    if why:
+        raise SeamError(why)
+    return parse(env.get(ENV_FAULT, ""))
