@@ -64,12 +64,6 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
                 f"step, this config has B({B}) x parallel.micro_batch_size({mbs}) x "
                 f"parallel.shard_size({S}) x parallel.seq_len({L}) = {tps} (keep "
                 f"micro_batch_size x shard_size constant)")
-    data = cfg.get("data") or {}
-    if W > int(st["w_init"]) and (bool(data.get("streaming", False))
-                                  or data.get("source") not in ("embedded", "local")):
-        return (f"cannot resume from {path}: parallel.replicas({W}) is wider than the first "
-                f"launch's W_init({st['w_init']}) with a streaming data source (a stream "
-                f"cannot be split into sub-streams; random-access data can)")
     for key, mine in (("model", _plain(cfg.model)), ("optim", _plain(cfg.get("optim", {}))),
                       ("steps", int(cfg.run.steps)), ("run_seed", int(cfg.run.seed))):
         if key in st and st[key] != mine:

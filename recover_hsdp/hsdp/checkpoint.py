@@ -309,6 +309,12 @@ class ResilientCheckpointer:
         return {s: sorted(out[s]) for s in sorted(out)}
 
 
+def resume_w_init() -> Optional[int]:
+    """W_init of the checkpoint this segment resumes from (ENV_RESUME_FROM), or None."""
+    path = os.environ.get(ENV_RESUME_FROM)
+    return int(read_state(Path(path))["w_init"]) if path else None
+
+
 def stop_target(run_dir: str | os.PathLike) -> Optional[int]:
     """The step at which a stop request (SIGTERM / SIGUSR1 to the launcher) saves and exits."""
     import json

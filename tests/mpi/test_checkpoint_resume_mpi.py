@@ -217,3 +217,44 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     v = _cli("verify", str(out), "--records-only", cwd=tmp_path)
     assert v.returncode == 1, v.stdout[-3000:] + v.stderr[-2000:]
     assert "16" in v.stdout and "twice" in v.stdout, v.stdout[-3000:]
+
+
+def _step_losses(files) -> dict[int, float]:
+    return {int(x["step"]): float(x["loss"]) for f in files
+            for x in map(json.loads, f.read_text().splitlines()) if x.get("loss") is not None}
+
+
+def test_streaming_source_resumes_wider_at_its_cursor(tmp_path):
+    """A streaming source (data=local, datasets' json loader standing in for C4) resumed at
+    another width, 2x1 -> 4x1: the data position is each initial slice's cursor; the resumed
+    ranks' sources are the first launch's slices, fast-forwarded to it. Step 4 is computed by
+    both launches (the first's line was discarded by the resume) from the same parameters and
+    the same ids: the same loss means the same data; the ids are an uninterrupted run's."""
+    import lzma
+
+    corpus = tmp_path / "docs.jsonl"
+    with lzma.open(ROOT / "recover_hsdp/data/embedded/corpus.jsonl.xz", "rt") as f:
+        corpus.write_text("".join(next(f) for _ in range(12)))
+    out = tmp_path / "run"
+    base = ["data=local", f"data.paths=[{corpus}]", "data.streaming=true",
+            f"data.tokenizer={ROOT / 'recover_hsdp/data/embedded/tokenizer.model'}",
+            "parallel.shard_size=1", "run.steps=6", "run.ckpt_interval=2",
+            f"run.output_dir={out}", "parallel.seq_len=32", "parallel.micro_batch_size=2",
+            "run.save_params_every=0"]
+    p = _cli("train", "parallel.replicas=2", "parallel.grad_accum=2", *base, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    p = _cli("train", "parallel.replicas=4", "parallel.grad_accum=1", "run.resume=true", *base,
+             cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "step 4" in p.stdout, p.stdout[-3000:]
+    from recover_hsdp.record import read_run
+
+    rec = read_run(out)
+    assert sorted(rec.steps) == list(range(6))
+    assert rec.steps[4].contributions == {0: [16, 18], 1: [17, 19]}
+    first = _step_losses((out / "steps" / "discarded").glob("seg1.rank*.jsonl"))
+    again = _step_losses((out / "steps").glob("rank1???.jsonl"))
+    assert 4 in first and 4 in again
+    assert abs(first[4] - again[4]) <= 1e-4 * abs(first[4]), (first[4], again[4])
+    v = _cli("verify", str(out), "--records-only", cwd=tmp_path)
+    assert v.returncode == 0, v.stdout[-3000:] + v.stderr[-2000:]
