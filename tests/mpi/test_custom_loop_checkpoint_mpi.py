@@ -43,6 +43,37 @@ def _finish(p: subprocess.Popen, timeout: float = 240) -> str:
     return out
 
 
+def _kill_job(p: subprocess.Popen) -> None:
+    """SIGKILL the launcher script and every process under it (mpirun, its daemon, the ranks:
+    not all in one process group), then wait until none is left."""
+    family, todo = [p.pid], [p.pid]
+    while todo:
+        for t in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (t / "children").read_text().split()]
+            except OSError:
+                continue
+            family += kids
+            todo += kids
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.communicate()
+    t0 = time.monotonic()
+    while any(Path(f"/proc/{pid}").exists() and b"zombie" not in _status(pid) for pid in family):
+        assert time.monotonic() - t0 < 30, "processes of the killed job still alive after 30 s"
+        time.sleep(0.1)
+
+
+def _status(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/status").read_bytes()
+    except OSError:
+        return b"zombie"
+
+
 def _progress(run_dir: Path) -> int:
     best = -1
     for f in run_dir.glob("progress.rank*"):
@@ -66,8 +97,7 @@ def test_custom_loop_save_kill_load_matches_uninterrupted(tmp_path):
             assert time.monotonic() - t0 < 240, "step 5 not reached in 240 s"
             time.sleep(0.2)
     finally:
-        os.killpg(p.pid, signal.SIGKILL)                # the whole job: store, mpirun, ranks
-        p.communicate()
+        _kill_job(p)                                    # the whole job: store, mpirun, ranks
     assert not list(run.glob("final.rank*.pt"))
     done = sorted(int(c.name[5:]) for c in (run / "checkpoints").glob("step_*")
                   if (c / "COMPLETE").is_file())
