@@ -195,3 +195,19 @@ def test_report_marks_resume_steps(tmp_path):
     append_segment(tmp_path, {"event": "start", "segment": 1, "resume_step": 4})
     assert _resume_steps(NS(run_dir=tmp_path)) == [4]
     assert _resume_steps(NS(run_dir=tmp_path / "missing")) == []
+
+
+def test_bench_longrun_plan_and_table():
+    """`recover-hsdp bench longrun` (docs/results.md section 7): the interruptions fall inside
+    the run in order, bad arguments are refused, and the committed result formats."""
+    from recover_hsdp.bench import longrun
+
+    pl = longrun.plan(300)
+    kills = [s for s, _ in pl["kills_seg0"]]
+    assert kills == sorted(kills) and kills[-1] < pl["stop_at"] < pl["kill_seg2"][0] < 300
+    assert [r for _, r in pl["kills_seg0"]] == [3, 2, 1]     # replica 0 survives: relaunch
+    with pytest.raises(SystemExit):
+        longrun.parse_args(["--ref-seeds", "1"])
+    res = json.loads((ROOT / "docs" / "results" / "longrun.json").read_text())
+    text = longrun.format_longrun(res)
+    assert "3 segments; verify rc=0" in text and "leave-one-out" in text
