@@ -64,9 +64,6 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
                 f"step, this config has B({B}) x parallel.micro_batch_size({mbs}) x "
                 f"parallel.shard_size({S}) x parallel.seq_len({L}) = {tps} (keep "
                 f"micro_batch_size x shard_size constant)")
-    if W > int(st["w_init"]):
-        return (f"cannot resume from {path}: parallel.replicas({W}) is wider than the first "
-                f"launch's W_init({st['w_init']}) (one initial data slice per replica)")
     for key, mine in (("model", _plain(cfg.model)), ("optim", _plain(cfg.get("optim", {}))),
                       ("steps", int(cfg.run.steps)), ("run_seed", int(cfg.run.seed))):
         if key in st and st[key] != mine:

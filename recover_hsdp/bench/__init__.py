@@ -15,7 +15,7 @@ import sys
 # Whole experiments (tens of minutes, optional extras): run by name, not by `bench all`.
 
 HARNESS = "harness"
-EXPERIMENTS = ("paper", "peers", "gpu")
+EXPERIMENTS = ("paper", "peers", "gpu", "longrun")
 
 
 def available() -> list[str]:

@@ -87,37 +87,55 @@ def _stage(obj):
 
 class SliceDataAssignment(DataAssignment):
     """DataAssignment of a resumed segment: replica r of THIS world serves initial slice
-    ``slice_of[r]`` of the first launch (W0 slices, ids k * W0 + slice), from its cursor."""
+    ``slice_of[r]`` of the first launch (W0 slices, ids k * W0 + slice) from its cursor F (the
+    slice's frontier in the checkpoint); wider than W0, as sub-stream j of q (``subs[r]``):
+    k = F + j + q * t, t = 0, 1, ... (record.checkpoint.assign_streams)."""
 
-    def __init__(self, w0: int, slice_of: Mapping[int, int], cursors: Mapping[int, int]):
+    def __init__(self, w0: int, slice_of: Mapping[int, int], cursors: Mapping[int, int],
+                 subs: Optional[Mapping[int, tuple[int, int]]] = None):
         super().__init__(max(1, len(slice_of)))
         self.w0 = int(w0)
         self.slice_of = {int(r): int(s) for r, s in slice_of.items()}
-        self._cursor = {r: int(cursors[s]) for r, s in self.slice_of.items()}
+        self.base = {r: int(cursors[s]) for r, s in self.slice_of.items()}
+        self.subs = {r: (0, 1) for r in self.slice_of}
+        self.subs.update({int(r): (int(j), int(q)) for r, (j, q) in (subs or {}).items()})
+        self._cursor = {r: 0 for r in self.slice_of}     # microbatches computed this segment
+
+    def _k(self, replica: int, t: int) -> int:
+        j, q = self.subs[replica]
+        return self.base[replica] + j + q * t
 
     def owner(self, microbatch_id: int) -> int:
-        s = microbatch_id % self.w0
-        return next(r for r, x in self.slice_of.items() if x == s)
+        s, k = microbatch_id % self.w0, microbatch_id // self.w0
+        return next(r for r, x in self.slice_of.items()
+                    if x == s and (k - self._k(r, 0)) % self.subs[r][1] == 0)
+
+    def next_k(self, replica: int, cursor: int) -> int:
+        """The slice frontier implied by ``replica`` having computed ``cursor`` microbatches:
+        one past the largest k it consumed (its base F when it consumed none)."""
+        return self._k(replica, cursor - 1) + 1 if cursor > 0 else self.base[replica]
 
     def microbatch_id(self, replica: int, position: int) -> int:
         if replica not in self._cursor:
             raise PolicyError(f"replica {replica} has no slice (dead or out of range)")
         if position < 0:
             raise PolicyError(f"position must be >= 0 (got {position})")
-        return (self._cursor[replica] + position) * self.w0 + self.slice_of[replica]
+        return self._k(replica, self._cursor[replica] + position) * self.w0 + self.slice_of[replica]
 
 
 def slice_table(mgr, w0: int, slice_of: Mapping[int, int], prev: Mapping) -> dict:
-    """{initial slice: {"cursor", "live"}} after the last commit: alive replicas' slices live
-    at their cursor, every other slice keeps its last cursor and is marked abandoned."""
+    """{initial slice: {"cursor", "live"}} after the last commit. A slice's cursor is its
+    FRONTIER: one past the largest k any replica serving it consumed (with one replica per
+    slice, simply its cursor); a slice is live while a replica serving it is alive; every other
+    slice keeps its last cursor and is marked abandoned."""
     out = {str(s): {"cursor": int(v["cursor"]), "live": False} for s, v in prev.items()}
     data = mgr.data
+    nxt = getattr(data, "next_k", lambda r, c: c)
     for r, s in slice_of.items():
-        if r in getattr(data, "_cursor", {}):
-            out[str(s)]["cursor"] = int(data.cursor(r))
-        elif r in getattr(data, "abandoned", {}):
-            out[str(s)]["cursor"] = int(data.abandoned[r])
-        out[str(s)]["live"] = r in mgr.policy.alive
+        c = getattr(data, "_cursor", {}).get(r, getattr(data, "abandoned", {}).get(r))
+        if c is not None:
+            out[str(s)]["cursor"] = max(out[str(s)]["cursor"], int(nxt(r, int(c))))
+        out[str(s)]["live"] = out[str(s)]["live"] or r in mgr.policy.alive
     return out
 
 
@@ -171,7 +189,7 @@ class ResilientCheckpointer:
                 "w_init": self.w0, "B": int(mgr.policy.B), "segment": self.segment,
                 "shape": {"replicas": mgr.topo.replicas, "shard_size": mgr.S,
                           "grad_accum": int(mgr.policy.g_init)},
-                "alive": [self.slice_of[r] for r in mgr.policy.alive],
+                "alive": sorted({self.slice_of[r] for r in mgr.policy.alive}),
                 "record": {"last_step": int(step) - 1, "segment": self.segment},
                 "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
                 "time": time.time(), **self.identity}
@@ -252,7 +270,7 @@ class ResilientCheckpointer:
         set the manager's step and data position. Returns state.json."""
         import torch.distributed.checkpoint as dcp
 
-        from recover_hsdp.record.checkpoint import assign_slices
+        from recover_hsdp.record.checkpoint import assign_streams
 
         path = Path(path)
         st = read_state(path)
@@ -265,9 +283,11 @@ class ResilientCheckpointer:
         _load_state_dicts(mgr, state)
         self.w0 = int(st["w_init"])
         self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
-        self.slice_of = assign_slices(self.slices, mgr.topo.replicas)
+        streams = assign_streams(self.slices, mgr.topo.replicas)
+        self.slice_of = {r: s for r, (s, _j, _q) in streams.items()}
         cursors = {int(s): int(v["cursor"]) for s, v in self.slices.items()}
-        mgr.data = SliceDataAssignment(self.w0, self.slice_of, cursors)
+        mgr.data = SliceDataAssignment(self.w0, self.slice_of, cursors,
+                                       {r: (j, q) for r, (_s, j, q) in streams.items()})
         for s in self.slice_of.values():
             self.slices[str(s)]["live"] = True
         for s, v in self.slices.items():
@@ -281,8 +301,18 @@ class ResilientCheckpointer:
         return st
 
     def contributions(self, contributions: Mapping[int, Any]) -> dict[int, list[int]]:
-        """A step's contributions keyed by INITIAL slice (what the run record holds)."""
-        return {self.slice_of[int(r)]: list(v) for r, v in contributions.items()}
+        """A step's contributions keyed by INITIAL slice (what the run record holds); the
+        sub-streams of one slice (a resume wider than W_init) merge in increasing id order."""
+        out: dict[int, list[int]] = {}
+        for r, v in contributions.items():
+            out.setdefault(self.slice_of[int(r)], []).extend(v)
+        return {s: sorted(out[s]) for s in sorted(out)}
+
+
+def resume_w_init() -> Optional[int]:
+    """W_init of the checkpoint this segment resumes from (ENV_RESUME_FROM), or None."""
+    path = os.environ.get(ENV_RESUME_FROM)
+    return int(read_state(Path(path))["w_init"]) if path else None
 
 
 def stop_target(run_dir: str | os.PathLike) -> Optional[int]:

@@ -52,11 +52,13 @@ def run_worker(cfg: Any) -> int:
     optim_cfg = optim_config(c.get("optim", {}), steps)
     model = build_model(model_cfg, seed=seed)
     sources: dict[int, Any] = {}
+    w0 = _source_width(W)       # issue 14: sources by INITIAL slice (a resume may change W)
 
     def microbatch_fn(replica: int, mb_id: int):
-        if replica not in sources:
-            sources[replica] = build_microbatch_source(data_cfg, replica, W)
-        return sources[replica].get(mb_id)
+        s = mb_id % w0
+        if s not in sources:
+            sources[s] = build_microbatch_source(data_cfg, s, w0)
+        return sources[s].get(mb_id)
 
     tpm = int(par["micro_batch_size"]) * int(par["seq_len"])  # tokens of this rank's rows
 
@@ -90,8 +92,9 @@ def run_worker(cfg: Any) -> int:
         d = l.to_dict()
         d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
         layout.append(d)
-    sources[mgr.replica] = build_microbatch_source(data_cfg, mgr.replica, W)
-    fingerprint = sources[mgr.replica].fingerprint
+    fp_slice = mgr.replica % w0
+    sources[fp_slice] = sources.get(fp_slice) or build_microbatch_source(data_cfg, fp_slice, w0)
+    fingerprint = sources[fp_slice].fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
@@ -185,6 +188,14 @@ def _ckpt_setup(mgr, c: Mapping, run_dir: Path, fingerprint: str):
     from recover_hsdp.hsdp.checkpoint import TrainerCheckpointing
 
     return TrainerCheckpointing.from_config(mgr, c, run_dir, fingerprint)
+
+
+def _source_width(W: int) -> int:
+    """W_init of the run: the first launch's width, read from the checkpoint a resumed segment
+    starts from (its data slices stay the first launch's; docs/checkpoint.md)."""
+    from recover_hsdp.hsdp.checkpoint import resume_w_init
+
+    return resume_w_init() or W
 
 
 def _ckpt_schedule(schedule, run_dir: Path, start: int):

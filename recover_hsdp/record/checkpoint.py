@@ -119,15 +119,33 @@ def assign_slices(slices: Mapping, replicas: int) -> dict[int, int]:
     (ascending), so every live slice's cursor goes on when the width allows; a slice abandoned by
     a dead replica is taken again only when a relaunch is WIDER than the live slices (scale back
     up), at its cursor (its ids from there on were never committed). A live slice that the new
-    width cannot serve is abandoned from the resume step on.
+    width cannot serve is abandoned from the resume step on. Wider than W_init: every slice is
+    served by several replicas (``assign_streams``).
     """
+    return {r: s for r, (s, _j, _q) in assign_streams(slices, replicas).items()}
+
+
+def assign_streams(slices: Mapping, replicas: int) -> dict[int, tuple[int, int, int]]:
+    """Replica -> (initial slice s, sub-stream j, sub-streams q of s) of a resumed segment.
+
+    Up to W_init replicas: one slice each (q = 1), in ``assign_slices``' order. Wider than W_init
+    (docs/checkpoint.md, "wider than the first launch"): replica r serves slice order[r % W_init]
+    as sub-stream j = r // W_init of the q replicas given that slice; sub-stream j of a slice
+    whose checkpointed cursor (frontier) is F takes k = F + j, F + j + q, F + j + 2q, ... (ids
+    k * W_init + s), so the q sub-streams partition the slice's ids from F on.
+    """
+    if replicas < 1:
+        raise RecordError(f"{replicas} replicas: a resume needs at least one")
     live = sorted(int(s) for s, v in slices.items() if v["live"])
     dead = sorted(int(s) for s, v in slices.items() if not v["live"])
     order = live + dead
-    if replicas > len(order):
-        raise RecordError(f"{replicas} replicas, but the run has only {len(order)} initial data "
-                          f"slices (W_init): a resume may not be wider than the first launch")
-    return {r: order[r] for r in range(replicas)}
+    n = len(order)
+    if not n:
+        raise RecordError("the checkpoint holds no data slice")
+    if replicas <= n:
+        return {r: (order[r], 0, 1) for r in range(replicas)}
+    q = {order[i]: len(range(i, replicas, n)) for i in range(n)}
+    return {r: (order[r % n], r // n, q[order[r % n]]) for r in range(replicas)}
 
 
 # --------------------------------------------------------------------------------- segments

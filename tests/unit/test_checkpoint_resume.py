@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.record.checkpoint import (COMPLETE, assign_slices, ckpt_path,
+from recover_hsdp.record.checkpoint import (COMPLETE, assign_slices, assign_streams, ckpt_path,
                                             contiguous_resume_violations, finalize,
                                             latest_complete, tmp_path, truncate_steps)
 from recover_hsdp.record.io import RecordError
@@ -65,7 +65,45 @@ def test_assign_slices_live_first_then_revive_abandoned_only_when_wider():
     assert assign_slices(slices, 3) == {0: 0, 1: 2, 2: 3}
     assert assign_slices(slices, 4) == {0: 0, 1: 2, 2: 3, 3: 1}   # full width again
     with pytest.raises(RecordError):
-        assign_slices(slices, 5)
+        assign_slices(slices, 0)
+
+
+def test_assign_streams_wider_than_w_init_splits_slices_into_sub_streams():
+    slices = {"0": {"cursor": 10, "live": True}, "1": {"cursor": 6, "live": False}}
+    assert assign_streams(slices, 2) == {0: (0, 0, 1), 1: (1, 0, 1)}
+    assert assign_streams(slices, 4) == {0: (0, 0, 2), 1: (1, 0, 2), 2: (0, 1, 2),
+                                         3: (1, 1, 2)}
+    assert assign_streams(slices, 3) == {0: (0, 0, 2), 1: (1, 0, 1), 2: (0, 1, 2)}
+
+
+def test_wider_resume_ids_exactly_once_and_frontier_cursor():
+    """2 initial slices served by 4 replicas (2x2 -> 4x1): the sub-streams partition every
+    slice from its cursor on; the next checkpoint's cursor is the slice's frontier (one past the
+    largest k consumed), also after a sub-stream died (its ids below the frontier abandoned)."""
+    from types import SimpleNamespace as NS
+
+    from recover_hsdp.hsdp.checkpoint import SliceDataAssignment, slice_table
+    from recover_hsdp.policy import StaticWorldPolicy
+
+    slices = {"0": {"cursor": 8, "live": True}, "1": {"cursor": 8, "live": True}}
+    streams = assign_streams(slices, 4)
+    data = SliceDataAssignment(2, {r: s for r, (s, _j, _q) in streams.items()},
+                               {0: 8, 1: 8}, {r: (j, q) for r, (_s, j, q) in streams.items()})
+    pol = StaticWorldPolicy(4, 1)                      # B = 4 kept with 4 replicas
+    seen: list[int] = []
+    for _ in range(3):
+        got = data.commit(pol)
+        seen += [i for v in got.values() for i in v]
+    assert sorted(seen) == list(range(16, 16 + 12))   # k 8..13 of both slices, each once
+    assert all(data.owner(i) == r for r in range(4) for i in [data.microbatch_id(r, 0)])
+    mgr = NS(data=data, policy=NS(alive=[0, 1, 2, 3]))
+    tab = slice_table(mgr, 2, data.slice_of, slices)
+    assert tab == {"0": {"cursor": 14, "live": True}, "1": {"cursor": 14, "live": True}}
+    data.drop([2])                                     # slice 0's sub-stream 1 dies
+    data._cursor[0] += 2                               # sub-stream 0 goes on: k 14, 16
+    mgr.policy.alive = [0, 1, 3]
+    tab = slice_table(mgr, 2, data.slice_of, tab)
+    assert tab["0"] == {"cursor": 17, "live": True}   # k 15 (dead sub-stream's) abandoned
 
 
 def test_slice_data_assignment_continues_each_cursor():
@@ -157,3 +195,19 @@ def test_report_marks_resume_steps(tmp_path):
     append_segment(tmp_path, {"event": "start", "segment": 1, "resume_step": 4})
     assert _resume_steps(NS(run_dir=tmp_path)) == [4]
     assert _resume_steps(NS(run_dir=tmp_path / "missing")) == []
+
+
+def test_bench_longrun_plan_and_table():
+    """`recover-hsdp bench longrun` (docs/results.md section 7): the interruptions fall inside
+    the run in order, bad arguments are refused, and the committed result formats."""
+    from recover_hsdp.bench import longrun
+
+    pl = longrun.plan(300)
+    kills = [s for s, _ in pl["kills_seg0"]]
+    assert kills == sorted(kills) and kills[-1] < pl["stop_at"] < pl["kill_seg2"][0] < 300
+    assert [r for _, r in pl["kills_seg0"]] == [3, 2, 1]     # replica 0 survives: relaunch
+    with pytest.raises(SystemExit):
+        longrun.parse_args(["--ref-seeds", "1"])
+    res = json.loads((ROOT / "docs" / "results" / "longrun.json").read_text())
+    text = longrun.format_longrun(res)
+    assert "3 segments; verify rc=0" in text and "leave-one-out" in text
