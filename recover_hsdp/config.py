@@ -98,10 +98,13 @@ class ParallelConfig:
     seq_len: int = 128             # tokens per sequence (the authority; data.seq_len follows)
     global_batch: Optional[int] = None   # B in microbatches, if you want it checked; null = W*G
     mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
+    standby: int = 0               # hot-standby replicas launched idle (issue 15, docs/rejoin.md)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
                                           "micro_batch_size", "seq_len"))
+        if not _is_int(self.standby) or self.standby < 0:
+            raise TrainConfigError(f"parallel.standby({self.standby!r}) must be an integer >= 0")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
                                    f"auto, bf16 or fp32")
@@ -112,8 +115,8 @@ class ParallelConfig:
                 f"= {self.replicas * self.grad_accum} microbatches")
 
     @property
-    def world_size(self) -> int:
-        return self.replicas * self.shard_size
+    def world_size(self) -> int:   # the standby replicas are launched too (docs/rejoin.md)
+        return (self.replicas + self.standby) * self.shard_size
 
     @property
     def B(self) -> int:  # noqa: N802 - the paper's name
@@ -460,7 +463,8 @@ def resolve_config(cfg: DictConfig, *, cwd: "str | os.PathLike | None" = None,
         with _unlocked(cfg):
             cfg.run.output_dir = str(out)
             if cfg.run.np is None:
-                cfg.run.np = cfg.parallel.replicas * cfg.parallel.shard_size
+                cfg.run.np = ((cfg.parallel.replicas + int(cfg.parallel.get("standby") or 0))
+                              * cfg.parallel.shard_size)
             if cfg.optim.total_steps is None:
                 cfg.optim.total_steps = cfg.run.steps
             for key, value in normalize_failures(OmegaConf.to_container(cfg.failures),
@@ -647,12 +651,17 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     optim = optim.with_total_steps(run.steps)
     # failure schedule: the same build every rank runs (names the bad entry)
     try:
-        schedule = failures.build(replicas=par.replicas, shard_size=par.shard_size,
+        schedule = failures.build(replicas=par.replicas + par.standby, shard_size=par.shard_size,
                                   grad_accum=par.grad_accum, n_buckets=n_buckets(model),
                                   steps=run.steps)
     except (ValueError, TypeError) as e:
         raise TrainConfigError(one_line(e)) from None
     _check_baseline(parts["baseline"], policy, failures, schedule)
+    if par.standby:   # hot standbys (docs/rejoin.md)
+        from recover_hsdp.policy.standby import standby_config_problem
+        why = standby_config_problem(par.standby, policy, parts["baseline"].name, run)
+        if why:
+            raise TrainConfigError(why)
     return CheckedConfig(parallel=par, policy=parts["policy"], optim=optim, run=run,
                          debug=parts["debug"], model=model, data=data, failures=failures,
                          schedule=schedule, vocab_size=vocab, baseline=parts["baseline"])

@@ -72,10 +72,11 @@ def run_worker(cfg: Any) -> int:
         restore_enabled=bool(c.get("debug", {}).get("restore_enabled", True)),
         shard_timeout_s=run.get("shard_timeout_s"), device=device,
         mixed_precision=str(par.get("mixed_precision") or "auto"),
-        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps)
+        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps,
+        standby=int(par.get("standby") or 0))
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
-        W, S, G, n_buckets, steps=steps, base_dir=None)
+        W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
     recorder = RunRecorder(run_dir, mgr.rank, mgr.replica, mgr.shard_index,
                            params_every=int(run.get("save_params_every", 1) or 0) or 10**9,
                            final_step=steps - 1)
@@ -87,8 +88,9 @@ def run_worker(cfg: Any) -> int:
         d = l.to_dict()
         d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
         layout.append(d)
-    sources[mgr.replica] = build_microbatch_source(data_cfg, mgr.replica, W)
-    fingerprint = sources[mgr.replica].fingerprint
+    own = 0 if mgr.is_standby else mgr.replica   # a standby has no slice until promoted
+    sources[own] = build_microbatch_source(data_cfg, own, W)
+    fingerprint = sources[own].fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
@@ -108,6 +110,10 @@ def run_worker(cfg: Any) -> int:
     else:
         recorder.start(meta, c, schedule)
         snaps.save_initial()
+    if mgr.is_standby and not mgr.standby_wait():   # idle until promoted (docs/rejoin.md)
+        snaps.close()
+        recorder.close()
+        os._exit(0)
     log_every = int(run.get("log_every", 1) or 1)
     t_start = time.perf_counter()
     tokens = 0
@@ -133,11 +139,14 @@ def run_worker(cfg: Any) -> int:
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
             failures=mt.failures, divisor=mt.divisor,
             contributions=ck.contributions(mt.contributions) if ck else mt.contributions,
-            epoch=mt.epoch, extra={"skipped": True} if mt.skipped else {}, local=local))
+            epoch=mt.epoch, extra={**({"skipped": True} if mt.skipped else {}),
+                                   **({"joins": mt.joins} if mt.joins else {})}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
         last = mt
         if ck is not None:
             ck.after_commit(steps)                 # periodic save; a stop request exits here
+        if mgr.standby and step < steps - 1:
+            mgr.join_step()                        # a standby into a lost slot (rejoin.md)
         if _is_logger(mgr):
             tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
             if tb:
@@ -154,6 +163,7 @@ def run_worker(cfg: Any) -> int:
             el = time.perf_counter() - t_start
             print(f"step {mt.step:5d}  loss {mt.loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"alive {len(mgr.policy.alive)}/{W}  G {mgr.policy.layout.g}{ev}", flush=True)
+    mgr.release_standbys()
     snaps.close()
     wall = time.perf_counter() - t_start
     summary = RunSummary(
