@@ -1,13 +1,16 @@
 """Rejoin through hot standbys (issue 15, docs/rejoin.md), real processes under
 `mpirun --with-ft ulfm`: W=3 replicas + standbys, the small model, real SIGKILLs.
 
-* a replica killed at step 3 is replaced by the standby at the next step boundary: from step 4
-  three replicas contribute again (layout back to G_init), every step committed, ids once, the
-  newcomer's parameter snapshots bit-identical to the survivors', `verify` OK;
-* the newcomer killed while it heals: that join is abandoned, the next standby is promoted at the
-  next boundary (retry), the run completes and verifies;
+* a replica killed at step 3; the first standby killed while it heals (that join is
+  abandoned); the next standby takes the slot at the next boundary: from step 5 three replicas
+  contribute again (layout back to G_init), every step committed, ids once, the newcomer's
+  parameter snapshots bit-identical to the survivors', `verify` OK;
 * the survivor that sends the state killed mid-join: the join is abandoned, the death is handled
   by the next step like any other, the run completes and verifies.
+
+The simplest case (one kill, one standby, promoted at the very next boundary) takes the same
+path minus the abandoned attempt; it and S=2 are run by hand (docs/rejoin.md has the commands):
+CI time is short and S=2 needs 8 processes.
 """
 from __future__ import annotations
 
@@ -61,43 +64,33 @@ def kill_to_first_contribution_s(run_dir: Path, rec, slot: int, standby: int, S:
     fired = min(json.loads(p.read_text())["time"]
                 for p in (run_dir / "faults").glob("fired.rank*.json")
                 if int(json.loads(p.read_text())["rank"]) // S == slot)
-    first = min(s for s in rec.committed if _joins(rec, s)
-                and _joins(rec, s)[0]["outcome"] == "joined")
+    first = min(s for s in rec.committed
+                if any(j["outcome"] == "joined" for j in _joins(rec, s)))
     return rec.local[first][standby * S]["time"] - fired
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("S", [1])
-def test_standby_takes_the_lost_slot(tmp_path, S):
-    run_dir, rec, out = _run(tmp_path, [K(3, 1, "reduce", bucket=1)], S=S)
+def test_standby_takes_the_lost_slot_after_a_failed_join(tmp_path):
+    """Replica 1 killed at step 3. Before step 4 standby block 3 is promoted but killed after it
+    received the state: that join is abandoned (step 4 runs on two replicas). Before step 5 the
+    next standby (block 4) takes slot 1: steps 5 and 6 run on three replicas at G_init again."""
+    steps = 7
+    run_dir, rec, out = _run(tmp_path, [K(3, 1, "reduce", bucket=1), K(4, 3, "join")],
+                             standby=2, steps=steps)
     assert [f["replicas"] for f in rec.steps[3].failures] == [[1]]
-    assert rec.steps[3].alive == [0, 2]
-    joins = _joins(rec, 4)
-    assert [(j["replica"], j["standby"], j["outcome"]) for j in joins] == [(1, W, "joined")]
-    for s in (4, 5):
+    assert rec.steps[3].alive == [0, 2] and rec.steps[4].alive == [0, 2]
+    assert [(j["replica"], j["standby"], j["outcome"]) for j in _joins(rec, 4)] == [
+        (1, 3, "abandoned")]
+    assert [(j["replica"], j["standby"], j["outcome"]) for j in _joins(rec, 5)] == [
+        (1, 4, "joined")]
+    for s in (5, 6):
         assert rec.steps[s].alive == [0, 1, 2] and sorted(rec.steps[s].contributions) == [0, 1, 2]
         assert rec.steps[s].layout["g"] == G and rec.steps[s].layout["major"] == W
-    # the newcomer holds the survivors' parameters bit for bit (its copy is file replica W)
-    assert W in param_copies(run_dir, STEPS - 1)[0]
-    _bitwise(run_dir, S)
-    t = kill_to_first_contribution_s(run_dir, rec, 1, W, S)
-    print(f"kill -> newcomer's first contributing step committed: {t:.2f} s")
-    assert _verify(run_dir) == 0, out.stdout[-4000:]
-
-
-@pytest.mark.timeout(600)
-def test_newcomer_dies_while_healing_next_standby_joins(tmp_path):
-    # standby block 3 dies after receiving the state (join before step 3): abandoned; block 4
-    # is promoted at the next boundary (before step 4)
-    run_dir, rec, out = _run(tmp_path, [K(2, 1, "reduce", bucket=1), K(3, 3, "join")],
-                             standby=2)
-    assert [(j["replica"], j["standby"], j["outcome"]) for j in _joins(rec, 3)] == [
-        (1, 3, "abandoned")]
-    assert rec.steps[3].alive == [0, 2]
-    assert [(j["replica"], j["standby"], j["outcome"]) for j in _joins(rec, 4)] == [
-        (1, 4, "joined")]
-    assert rec.steps[5].alive == [0, 1, 2]
-    _bitwise(run_dir, 1)
+    # the newcomer holds the survivors' parameters bit for bit (its copy is file replica 4)
+    assert 4 in param_copies(run_dir, steps - 1)[0]
+    _bitwise(run_dir, 1, steps)
+    t = kill_to_first_contribution_s(run_dir, rec, 1, 4, 1)
+    print(f"kill -> the newcomer's first contributing step committed: {t:.2f} s")
     assert _verify(run_dir) == 0, out.stdout[-4000:]
 
 
@@ -105,9 +98,9 @@ def test_newcomer_dies_while_healing_next_standby_joins(tmp_path):
 def test_sender_dies_mid_join(tmp_path):
     # replica 0 (the lowest survivor: the sender) dies before it sends: the join is abandoned,
     # step 4 handles replica 0's loss; no standby is left, so two replicas are lost for good
-    run_dir, rec, out = _run(tmp_path, [K(3, 1, "reduce", bucket=1), K(4, 0, "join")])
+    run_dir, rec, out = _run(tmp_path, [K(3, 1, "reduce", bucket=1), K(4, 0, "join")], steps=5)
     assert [(j["replica"], j["outcome"]) for j in _joins(rec, 4)] == [(1, "abandoned")]
     assert [f["replicas"] for f in rec.steps[4].failures if f.get("replicas")] == [[0]]
-    assert rec.steps[5].alive == [2]
-    _bitwise(run_dir, 1)
+    assert rec.steps[4].alive == [2]
+    _bitwise(run_dir, 1, 5)
     assert _verify(run_dir) == 0, out.stdout[-4000:]
