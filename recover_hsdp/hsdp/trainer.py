@@ -145,8 +145,6 @@ def run_worker(cfg: Any) -> int:
         last = mt
         if ck is not None:
             ck.after_commit(steps)                 # periodic save; a stop request exits here
-        if mgr.standby and step < steps - 1:
-            mgr.join_step()                        # a standby into a lost slot (rejoin.md)
         if _is_logger(mgr):
             tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
             if tb:
@@ -163,15 +161,23 @@ def run_worker(cfg: Any) -> int:
             el = time.perf_counter() - t_start
             print(f"step {mt.step:5d}  loss {mt.loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"alive {len(mgr.policy.alive)}/{W}  G {mgr.policy.layout.g}{ev}", flush=True)
+        if mgr.standby and step < steps - 1:
+            j = mgr.join_step()                    # a standby into a lost slot (rejoin.md)
+            if j and _is_logger(mgr):
+                print(f"join before step {step + 1}: slot {j['replica']} <- standby "
+                      f"{j['standby']}: {j['outcome']}", flush=True)
     mgr.release_standbys()
     snaps.close()
     wall = time.perf_counter() - t_start
     summary = RunSummary(
         steps_committed=mgr.step, first_step=0, last_step=mgr.step - 1, replicas_initial=W,
-        replicas_alive=list(mgr.policy.alive), failures_survived=W - len(mgr.policy.alive),
+        replicas_alive=list(mgr.policy.alive),
+        failures_survived=mgr.failures_survived if mgr.standby else W - len(mgr.policy.alive),
         wall_time_s=wall, tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
         faults=mgr.injector.outcome(mgr.step, mgr.policy.alive),
-        extra={"final_loss": getattr(last, "loss", None)
+        extra={**({"slot_blocks": {str(r): p for r, p in mgr.cross.phys.items() if r != p}}
+                  if mgr.standby else {}),
+               "final_loss": getattr(last, "loss", None)
                if math.isfinite(getattr(last, "loss", 0.0)) else None,
                **(ck.summary() if ck else {})})
     if ck is not None:
