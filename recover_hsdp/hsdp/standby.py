@@ -189,6 +189,13 @@ def release_standbys(mgr) -> None:
 def standby_wait(mgr) -> bool:
     """A standby's life: loop on the world rounds until promoted (True: the state is installed,
     train from mgr.step) or released at the end of the run (False)."""
+    from recover_hsdp.faults import failstop
+
+    with failstop.long_phase("standby"):   # idle by design: not a stalled rank
+        return _standby_loop(mgr)
+
+
+def _standby_loop(mgr) -> bool:
     cross = mgr.cross
     pending = None
     while True:
