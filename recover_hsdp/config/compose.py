@@ -165,7 +165,8 @@ def resolve_config(cfg: DictConfig, *, cwd: "str | os.PathLike | None" = None,
         with _unlocked(cfg):
             cfg.run.output_dir = str(out)
             if cfg.run.np is None:
-                cfg.run.np = cfg.parallel.replicas * cfg.parallel.shard_size
+                cfg.run.np = ((cfg.parallel.replicas + int(cfg.parallel.get("standby") or 0))
+                              * cfg.parallel.shard_size)
             if cfg.optim.total_steps is None:
                 cfg.optim.total_steps = cfg.run.steps
             for key, value in normalize_failures(OmegaConf.to_container(cfg.failures),

@@ -64,10 +64,13 @@ class ParallelConfig:
     seq_len: int = 128             # tokens per sequence (the authority; data.seq_len follows)
     global_batch: Optional[int] = None   # B in microbatches, if you want it checked; null = W*G
     mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
+    standby: int = 0               # hot-standby replicas launched idle (issue 15, docs/rejoin.md)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
                                           "micro_batch_size", "seq_len"))
+        if not _is_int(self.standby) or self.standby < 0:
+            raise TrainConfigError(f"parallel.standby({self.standby!r}) must be an integer >= 0")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
                                    f"auto, bf16 or fp32")
@@ -78,8 +81,8 @@ class ParallelConfig:
                 f"= {self.replicas * self.grad_accum} microbatches")
 
     @property
-    def world_size(self) -> int:
-        return self.replicas * self.shard_size
+    def world_size(self) -> int:   # the standby replicas are launched too (docs/rejoin.md)
+        return (self.replicas + self.standby) * self.shard_size
 
     @property
     def B(self) -> int:  # noqa: N802 - the paper's name

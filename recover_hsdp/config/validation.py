@@ -182,12 +182,17 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     optim = optim.with_total_steps(run.steps)
     # failure schedule: the same build every rank runs (names the bad entry)
     try:
-        schedule = failures.build(replicas=par.replicas, shard_size=par.shard_size,
+        schedule = failures.build(replicas=par.replicas + par.standby, shard_size=par.shard_size,
                                   grad_accum=par.grad_accum, n_buckets=n_buckets(model),
                                   steps=run.steps)
     except (ValueError, TypeError) as e:
         raise TrainConfigError(one_line(e)) from None
     _check_baseline(parts["baseline"], policy, failures, schedule)
+    if par.standby:   # hot standbys (docs/rejoin.md)
+        from recover_hsdp.policy.standby import standby_config_problem
+        why = standby_config_problem(par.standby, policy, parts["baseline"].name, run)
+        if why:
+            raise TrainConfigError(why)
     return CheckedConfig(parallel=par, policy=parts["policy"], optim=optim, run=run,
                          debug=parts["debug"], model=model, data=data, failures=failures,
                          schedule=schedule, vocab_size=vocab, baseline=parts["baseline"])

@@ -20,10 +20,13 @@ RE_REDUCE = "re_reduce"            # after a handled failure, before a re-issued
 EXTENSION = "extension"            # boundary step, before the forward of extension microbatch k
 PRE_STEP = "pre_step"              # gradients agreed, before the divide by B and the optimizer step
 OPTIMIZER_STEP = "optimizer_step"  # optimizer has updated the local shard, before the step record
+JOIN = "join"                      # between steps, a standby's join (parallel.standby>0): a
+#                                    survivor before it sends the state, the newcomer after it
+#                                    received it (step = the step the join precedes)
 
 LOCATIONS: tuple[str, ...] = (
     FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, CLOSURE, AGREED, REBUILD, RE_REDUCE, EXTENSION,
-    PRE_STEP, OPTIMIZER_STEP,
+    PRE_STEP, OPTIMIZER_STEP, JOIN,
 )
 
 #: locations indexed by a microbatch (``microbatch`` field / argument)
@@ -34,7 +37,7 @@ BUCKET_LOCATIONS: frozenset[str] = frozenset({REDUCE, RE_REDUCE})
 ALWAYS_REACHED: frozenset[str] = frozenset(
     {FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, AGREED, PRE_STEP, OPTIMIZER_STEP})
 #: locations reached only in a step where a failure was handled (may never fire)
-CONDITIONAL: frozenset[str] = frozenset({CLOSURE, REBUILD, RE_REDUCE, EXTENSION})
+CONDITIONAL: frozenset[str] = frozenset({CLOSURE, REBUILD, RE_REDUCE, EXTENSION, JOIN})
 #: kill points inside the recovery protocol itself (issue 12); not in the default random weights,
 #: so random schedules drawn before they existed stay the same
 RECOVERY: frozenset[str] = frozenset({CLOSURE, AGREED, REBUILD})

@@ -48,7 +48,10 @@ def reconcile_summary(run_dir: os.PathLike | str, shard_size: int) -> list[int]:
         return []
     dead = dead_replicas(run_dir, shard_size)
     alive = list(summary.get("replicas_alive") or [])
-    moved = sorted(r for r in alive if r in dead)
+    # a slot a standby took over (docs/rejoin.md) lives in another rank block
+    blocks = {int(k): int(v) for k, v in
+              ((summary.get("extra") or {}).get("slot_blocks") or {}).items()}
+    moved = sorted(r for r in alive if blocks.get(r, r) in dead)
     if not moved:
         return []
     summary["replicas_alive"] = [r for r in alive if r not in moved]

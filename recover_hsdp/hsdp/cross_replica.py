@@ -84,13 +84,23 @@ class HSDPCrossReplicaGroup:
                  shard_barrier: Callable[[], None],
                  elect: Callable, contrib_total: Callable,
                  checkpoint: Callable[..., None] = lambda location, **kw: None,
-                 die: Callable[[], None] = _die):
+                 die: Callable[[], None] = _die, standby: int = 0):
         self.world = world
         self.S = shard_size
         self.w_init = replicas
         self.global_rank = global_rank
-        self.replica = global_rank // shard_size
+        self.my_phys = global_rank // shard_size   # my rank block (a standby's is >= W)
         self.shard_index = global_rank % shard_size
+        # hot standbys (docs/rejoin.md): slot -> rank block; a promoted standby takes the slot
+        # (data slice, replica id in the record) of the replica it replaces
+        self.n_standby = int(standby)
+        self.phys: dict[int, int] = {r: r for r in range(replicas)}
+        self.pool: list[int] = list(range(replicas, replicas + self.n_standby))
+        self.is_standby = self.my_phys >= replicas
+        self.replica = -1 if self.is_standby else self.my_phys
+        self.flags = [0.0, 0.0, 0.0, 0.0]  # join request, join confirm, my join part ok, done
+        self.agreed_flags: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+        self._carried: set[int] = set()
         self._make_group = make_group
         self._shard_barrier = shard_barrier
         self._elect = elect
@@ -104,7 +114,7 @@ class HSDPCrossReplicaGroup:
         self._clean = True  # no failure seen in any bucket of this pass
         self._group_quiesced = False  # uniform within my replicate group (repair in Detect)
         self._quiesce_flag = False
-        self.rg = make_group(self._replicate_ranks())
+        self.rg = None if self.is_standby else make_group(self._replicate_ranks())
         self.last_result: ReplicaResult = ReplicaResult(ok=True)
 
     # --- the UlfmGroup-like surface the orchestrator drives ---------------------------------
@@ -126,7 +136,11 @@ class HSDPCrossReplicaGroup:
         return self._replicate_ranks()
 
     def replica_of_rank(self, global_rank: int) -> int:
-        return global_rank // self.S
+        p = global_rank // self.S
+        for slot, q in self.phys.items():
+            if q == p:
+                return slot
+        return p if p < self.w_init else -1 - p   # never a live slot
 
     @property
     def quiesced(self) -> bool:
@@ -143,7 +157,7 @@ class HSDPCrossReplicaGroup:
         if not isinstance(roles, dict):
             roles = dict(zip(self.alive, roles))
         self._roles = dict(roles)
-        self.rg.set_roles([self._roles[r] for r in self.alive])
+        self.rg.set_roles([self._roles[r] for r in self._rg_order()])
 
     def set_contributed(self, n: int) -> None:
         self._contributed = int(n)
@@ -213,7 +227,8 @@ class HSDPCrossReplicaGroup:
         # identical on every survivor; a replicate group's record is not seen by the other S-1
         # groups). It only grows: a death at any point of the recovery (closure, agreed vector,
         # rebuild) is absorbed by one more round of the loop with the same view everywhere.
-        failed_ranks: set[int] = set()
+        failed_ranks: set[int] = set(self._carried)  # deaths seen in a join round (rejoin.md)
+        self._carried = set()
         while True:
             self._closure(failed_ranks)
             vec = self._agreed_vector()
@@ -224,9 +239,22 @@ class HSDPCrossReplicaGroup:
             failed_ranks |= _failed(confirm)
             if not (red.ok and confirm.ok):
                 continue  # a death during the agreed vector: close again, reduce it again
-            failed_replicas = sorted({g // self.S for g in failed_ranks} & set(self.alive))
+            dead_phys = {g // self.S for g in failed_ranks}
+            failed_replicas = sorted(r for r in self.alive if self.phys[r] in dead_phys)
+            if self.n_standby:
+                self.agreed_flags = tuple(float(x) for x in vec[1 + 2 * self.w_init:
+                                                                5 + 2 * self.w_init].tolist())
+                if any(f > 0.5 for f in self.agreed_flags):  # a join/done round between steps
+                    return self._carry(failed_ranks, epoch_before)
+                self.pool = [p for p in self.pool if p not in dead_phys]
             if not failed_replicas and self.world.epoch == epoch_before:
                 break
+            if self.is_standby:   # no replicate group; one world round as the others do
+                after = self.world.consensus()
+                failed_ranks |= _failed(after)
+                if after.ok:
+                    break
+                continue
             self._rebuild_groups([r for r in self.alive if r not in failed_replicas])
             # A death during the rebuild is seen by one replicate group only: one world round
             # makes it everyone's (the dead rank is still a member of the world communicator).
@@ -240,8 +268,10 @@ class HSDPCrossReplicaGroup:
         contributed = {r: int(round(vec[1 + r].item() / self.S)) for r in self.alive
                        if r not in failed_replicas}
         losses = {r: float(vec[1 + w + r].item()) for r in contributed}
-        gstats = self._grad_stats_from(vec, n)
-        if not failed_replicas and self.world.epoch == epoch_before:
+        gstats = self._grad_stats_from(vec, n - self.S * len(self.pool))
+        if not failed_replicas and (self.world.epoch == epoch_before or self.n_standby):
+            # (with standbys: only a standby was lost; the moved epoch makes every bucket
+            # stale, so the orchestrator re-reduces them: no policy event)
             return ReplicaResult(ok=True, epoch=self.epoch, all_clean=all_clean, **gstats,
                                  census=RoleCensus.of(self._roles.values()),
                                  roles=tuple(self._roles[r] for r in self.alive),
@@ -251,7 +281,8 @@ class HSDPCrossReplicaGroup:
         self.alive = [r for r in self.alive if r not in failed_replicas]
         contrib = self._contrib_total(new_roles, contributed, at_boundary)
         self._roles = dict(new_roles)
-        self._finish_rebuild()
+        if not self.is_standby:
+            self._finish_rebuild()
         return ReplicaResult(
             ok=False, failed_ranks=tuple(sorted(failed_ranks)), epoch=self.epoch,
             census=RoleCensus.of(new_roles[r] for r in self.alive), contrib=contrib,
@@ -269,8 +300,13 @@ class HSDPCrossReplicaGroup:
         [1 + W + r] replica r's kept-loss sum (its S ranks add their shares).
         """
         w = self.w_init
-        vec = torch.zeros(1 + 2 * w + self.GRAD_STAT_SLOTS, dtype=torch.float64)
+        flags = 4 if self.n_standby else 0  # [1 + 2W ...]: join, confirm, join ok, done
+        vec = torch.zeros(1 + 2 * w + flags + self.GRAD_STAT_SLOTS, dtype=torch.float64)
         vec[0] = 1.0 if self._clean else 0.0
+        if flags:
+            vec[1 + 2 * w:1 + 2 * w + flags] = torch.tensor(self.flags, dtype=torch.float64)
+        if self.is_standby:
+            return vec
         vec[1 + self.replica] = float(self._contributed)
         vec[1 + w + self.replica] = self._loss_sum
         self._grad_stats_into(vec)  # [1 + 2W ...]: squared grad norm, non-finite flag
@@ -278,7 +314,19 @@ class HSDPCrossReplicaGroup:
 
     # --- internals ------------------------------------------------------------------------
     def _replicate_ranks(self) -> list[int]:
-        return [r * self.S + self.shard_index for r in self.alive]
+        return [self.phys[r] * self.S + self.shard_index for r in self.alive]
+
+    def _rg_order(self) -> list[int]:
+        """Alive slots in my replicate group's rank order (ascending rank block)."""
+        return sorted(self.alive, key=lambda r: self.phys[r])
+
+    def _carry(self, failed_ranks: set[int], epoch_before: int) -> ReplicaResult:
+        """A join/done round between steps: its deaths are not applied here (no iteration is
+        open to hear them) but carried into the next step's consensus, which sees them as if
+        they had happened in its own microbatch loop."""
+        self._carried = set(failed_ranks)
+        ok = not failed_ranks and self.world.epoch == epoch_before
+        return ReplicaResult(ok=ok, epoch=self.epoch, failed_ranks=tuple(sorted(failed_ranks)))
 
     def _closure(self, failed: set[int]) -> None:
         """ULFM_CONSENSUS on the world until it holds exactly the surviving replicas' ranks.
@@ -289,24 +337,27 @@ class HSDPCrossReplicaGroup:
         repairs), whatever record reported it: it is added too, so a dropped report cannot make
         `expected` unreachable.
         """
+        blocks = [self.phys[r] for r in self.alive] + list(self.pool)
         while True:
             res = self.world.consensus()
             new = _failed(res)
             failed |= new
-            failed |= {g for r in self.alive for g in self._ranks_of(r)} - set(
-                self.world.global_ranks)
+            failed |= {g for p in blocks for g in self._block(p)} - set(self.world.global_ranks)
             dead = {g // self.S for g in failed}
-            if self.replica in dead:
+            if self.my_phys in dead:
                 self._die()  # my replica lost a member: leave so the others can close
                 raise RuntimeError("die() returned")  # only with an injected die() in tests
             if new:
                 self._checkpoint("closure")  # a death right after a round that saw one
-            expected = sorted(g for r in self.alive if r not in dead for g in self._ranks_of(r))
+            expected = sorted(g for p in blocks if p not in dead for g in self._block(p))
             if sorted(self.world.global_ranks) == expected:
                 return
 
     def _ranks_of(self, replica: int) -> range:
-        return range(replica * self.S, (replica + 1) * self.S)
+        return self._block(self.phys[replica])
+
+    def _block(self, phys: int) -> range:
+        return range(phys * self.S, (phys + 1) * self.S)
 
     def _rebuild_groups(self, alive: Sequence[int]) -> None:
         """Bring my replicate group to the replicas `alive` (the agreed survivors), if it can.
@@ -319,7 +370,9 @@ class HSDPCrossReplicaGroup:
         error here. The group stops (uniformly: every member got the same record) and the
         caller's world round reports the death to everyone.
         """
-        expected = [r * self.S + self.shard_index for r in alive]
+        expected = sorted(self.phys[r] * self.S + self.shard_index for r in alive)
+        if self.is_standby:
+            return
         # reached in every round that agreed a failure, whether or not my group still needs a
         # repair (it may have repaired itself in a Detect of the reduction pass)
         self._checkpoint("rebuild")
@@ -340,7 +393,7 @@ class HSDPCrossReplicaGroup:
         self._group_quiesced = False
         self._quiesce_flag = False
         self.rg.set_quiesce(False)
-        self.rg.set_roles([self._roles[r] for r in self.alive])
+        self.rg.set_roles([self._roles[r] for r in self._rg_order()])
         self.rg.set_contributed(self._contributed)
 
 

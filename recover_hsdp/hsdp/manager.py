@@ -80,6 +80,7 @@ class StepMetrics:
     wall_s: float
     grad_norm: Optional[float] = None  # global norm of the divided gradient, before clipping
     skipped: bool = False              # non-finite gradient: no optimizer update this step
+    joins: list = None                 # standby joins before this step (docs/rejoin.md)
 
 
 class HSDPULFMTrainingManager:
@@ -113,14 +114,15 @@ class HSDPULFMTrainingManager:
                  log: Optional[Callable[[str], None]] = None,
                  mixed_precision: Any = "auto",
                  grad_clip: Optional[float] = None,
-                 max_skipped_steps: int = 3):
+                 max_skipped_steps: int = 3, standby: int = 0):
         fh.check_torch_version()
         if not dist.is_initialized():
             fh.init_distributed_from_env(backend="gloo")
         from recover_hsdp.collectives import UlfmGroup
 
         self.rank = dist.get_rank()
-        self.topo = fh.HybridTopology.for_world(replicas, shard_size, self.rank,
+        self.standby = int(standby)  # hot standbys (docs/rejoin.md): extra replicas, idle
+        self.topo = fh.HybridTopology.for_world(replicas + self.standby, shard_size, self.rank,
                                                 dist.get_world_size())
         self.S = shard_size
         self.replica = self.topo.replica
@@ -169,17 +171,55 @@ class HSDPULFMTrainingManager:
             world=self.world, replicas=replicas, shard_size=shard_size, global_rank=self.rank,
             make_group=UlfmGroup.from_ranks, shard_barrier=self._shard_barrier,
             elect=elect, contrib_total=contrib_total,
-            checkpoint=lambda location: self.injector.check(location, self.step))
+            checkpoint=lambda location: self.injector.check(location, self.step),
+            standby=self.standby)
+        self.joins: list[dict] = []   # join entries for the next step's record (rejoin.md)
         self.failures_survived = 0
         self._tokens_per_mb: Optional[int] = None
         self._failure_handled = False
         self._bucket_index: dict[int, int] = {}
-        self.orch = StepTxnOrchestrator(_FaultPoints(self.cross, self), self.policy,
-                                        self.topo.replica_of_rank,
-                                        restore_enabled=restore_enabled, log=self.log)
+        self.orch = None if self.is_standby else self._make_orchestrator()
         from recover_hsdp.hsdp.fault_seam import RunFaults
 
         self.seam = RunFaults.from_env()  # test only: None unless RECOVER_HSDP_TEST_FAULT allowed
+
+    def _make_orchestrator(self) -> StepTxnOrchestrator:
+        self.orch = StepTxnOrchestrator(
+            _FaultPoints(self.cross, self), self.policy,
+            self.cross.replica_of_rank if self.standby else self.topo.replica_of_rank,
+            restore_enabled=self.restore_enabled, log=self.log)
+        return self.orch
+
+    # --- hot standbys (issue 15; recover_hsdp/hsdp/standby.py, docs/rejoin.md) --------------
+    @property
+    def is_standby(self) -> bool:
+        """An idle standby replica (not promoted yet): call standby_wait(), not train_step()."""
+        return self.cross.is_standby
+
+    def standby_wait(self) -> bool:
+        """On a standby rank: wait until promoted (True: train from self.step on) or released
+        at the end of the run (False)."""
+        from recover_hsdp.hsdp.standby import standby_wait
+
+        return standby_wait(self)
+
+    def join_step(self) -> Optional[dict]:
+        """On every active rank after a committed step: promote a standby into a lost replica's
+        slot if one is needed and left (one per boundary). The entry also goes into the next
+        step's metrics (``joins``)."""
+        from recover_hsdp.hsdp.standby import join_step
+
+        entry = join_step(self) if self.standby else None
+        if entry is not None:
+            self.joins.append(entry)
+        return entry
+
+    def release_standbys(self) -> None:
+        """On every active rank at the end of training: let the idle standbys exit."""
+        from recover_hsdp.hsdp.standby import release_standbys
+
+        if self.standby:
+            release_standbys(self)
 
     def set_failure_schedule(self, schedule, before_kill=None) -> None:
         """Install the failure simulator's schedule: a FailureSchedule, or a list of entries
@@ -349,7 +389,8 @@ class HSDPULFMTrainingManager:
             boundary=boundary, restore_modes=modes, failures=failures,
             contributions={int(r): list(v) for r, v in contributions.items()},
             divisor=divisor, epoch=self.cross.epoch, wall_s=time.perf_counter() - t0,
-            grad_norm=grad_norm, skipped=skipped)
+            grad_norm=grad_norm, skipped=skipped, joins=self.joins or None)
+        self.joins = []
         orch.after_successful_commit()
         self.step += 1
         if skipped and self.skipped_in_a_row > self.max_skipped_steps:

@@ -74,10 +74,11 @@ def run_worker(cfg: Any) -> int:
         restore_enabled=bool(c.get("debug", {}).get("restore_enabled", True)),
         shard_timeout_s=run.get("shard_timeout_s"), device=device,
         mixed_precision=str(par.get("mixed_precision") or "auto"),
-        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps)
+        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps,
+        standby=int(par.get("standby") or 0))
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c.get("failures")).build(
-        W, S, G, n_buckets, steps=steps, base_dir=None)
+        W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
     from recover_hsdp.record.params import snapshot_every
 
     shard_bytes = sum(t.numel() * t.element_size() for t in fh.local_flat_shards(mgr.module))
@@ -92,7 +93,7 @@ def run_worker(cfg: Any) -> int:
         d = l.to_dict()
         d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
         layout.append(d)
-    fp_slice = mgr.replica % w0
+    fp_slice = 0 if mgr.is_standby else mgr.replica % w0   # a standby has no slice until promoted
     sources[fp_slice] = sources.get(fp_slice) or build_microbatch_source(data_cfg, fp_slice, w0)
     fingerprint = sources[fp_slice].fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
@@ -114,6 +115,10 @@ def run_worker(cfg: Any) -> int:
     else:
         recorder.start(meta, c, schedule)
         snaps.save_initial()
+    if mgr.is_standby and not mgr.standby_wait():   # idle until promoted (docs/rejoin.md)
+        snaps.close()
+        recorder.close()
+        os._exit(0)
     log_every = int(run.get("log_every", 1) or 1)
     t_start = time.perf_counter()
     tokens = 0
@@ -139,7 +144,8 @@ def run_worker(cfg: Any) -> int:
             restore_mode=None if mt.restore_modes == ["skip"] else ",".join(mt.restore_modes),
             failures=mt.failures, divisor=mt.divisor,
             contributions=ck.contributions(mt.contributions) if ck else mt.contributions,
-            epoch=mt.epoch, extra={"skipped": True} if mt.skipped else {}, local=local))
+            epoch=mt.epoch, extra={**({"skipped": True} if mt.skipped else {}),
+                                   **({"joins": mt.joins} if mt.joins else {})}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
         last = mt
         if ck is not None:
@@ -160,14 +166,23 @@ def run_worker(cfg: Any) -> int:
             el = time.perf_counter() - t_start
             print(f"step {mt.step:5d}  loss {mt.loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"alive {len(mgr.policy.alive)}/{W}  G {mgr.policy.layout.g}{ev}", flush=True)
+        if mgr.standby and step < steps - 1:
+            j = mgr.join_step()                    # a standby into a lost slot (rejoin.md)
+            if j and _is_logger(mgr):
+                print(f"join before step {step + 1}: slot {j['replica']} <- standby "
+                      f"{j['standby']}: {j['outcome']}", flush=True)
+    mgr.release_standbys()
     snaps.close()
     wall = time.perf_counter() - t_start
     summary = RunSummary(
         steps_committed=mgr.step, first_step=0, last_step=mgr.step - 1, replicas_initial=W,
-        replicas_alive=list(mgr.policy.alive), failures_survived=W - len(mgr.policy.alive),
+        replicas_alive=list(mgr.policy.alive),
+        failures_survived=mgr.failures_survived if mgr.standby else W - len(mgr.policy.alive),
         wall_time_s=wall, tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
         faults=mgr.injector.outcome(mgr.step, mgr.policy.alive),
-        extra={"final_loss": getattr(last, "loss", None)
+        extra={**({"slot_blocks": {str(r): p for r, p in mgr.cross.phys.items() if r != p}}
+                  if mgr.standby else {}),
+               "final_loss": getattr(last, "loss", None)
                if math.isfinite(getattr(last, "loss", 0.0)) else None,
                **(ck.summary() if ck else {})})
     if ck is not None:

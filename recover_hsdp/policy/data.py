@@ -65,6 +65,16 @@ class DataAssignment:
                 self.abandoned[r] = self._cursor.pop(r)
         return out
 
+    def adopt(self, replica: int) -> int:
+        """A promoted standby takes over ``replica``'s slice (docs/rejoin.md): it resumes at the
+        cursor the slice was left at, past every id of it ever committed. Returns that cursor."""
+        if replica in self._cursor:        # case (b): dropped at the next commit, not yet
+            return self._cursor[replica]
+        if replica not in self.abandoned:
+            raise PolicyError(f"replica {replica} has no abandoned slice to adopt")
+        self._cursor[replica] = self.abandoned.pop(replica)
+        return self._cursor[replica]
+
     def drop(self, replicas) -> None:
         """Forget dead replicas' slices (commit() also does this)."""
         for r in replicas:

@@ -69,6 +69,7 @@ def build_report(timelines: list[Timeline]) -> dict:
         d["tokens_at_common_process_hours"] = at[tl.label]
         d["loss"] = [[c.step, c.loss] for c in tl.commits]
         d["tokens_vs_process_hours"] = tokens_vs_process_hours(tl)
+        d["joins"] = _joins(tl)
         runs.append(d)
     ratios = {k: (v / at[first] if at[first] else None) for k, v in at.items()}
     return {"runs": runs, "common_process_hours": cph, "tokens_at_common_process_hours": at,
@@ -127,6 +128,19 @@ def _resume_steps(tl: Timeline) -> list[int]:
             if g.get("event") == "start" and g.get("resume_step") is not None]
 
 
+def _joins(tl: Timeline) -> list[dict]:
+    """Standby joins of a run (issue 15: the step records' extra.joins), step = the first step
+    that ran after the join attempt."""
+    from recover_hsdp.record import read_run
+
+    try:
+        steps = read_run(tl.run_dir).steps
+    except Exception:  # noqa: BLE001 - a marker is decoration; never fail the report on it
+        return []
+    return [{"step": s, **j} for s, r in steps.items()
+            for j in ((r.extra or {}).get("joins") or ())]
+
+
 def _plots(out: Path, timelines: list[Timeline], rep: dict, bands: list[str], fmt: str) -> None:
     import matplotlib
 
@@ -168,9 +182,12 @@ def _plots(out: Path, timelines: list[Timeline], rep: dict, bands: list[str], fm
                 ax.axvline(ks, color="red", lw=0.5, alpha=0.3)
         for rs in _resume_steps(tl):          # issue 14: segments of a resumed run
             ax.axvline(rs, color="black", ls=":", lw=1.0, alpha=0.7)
+        for j in _joins(tl):                  # issue 15: a standby joined before this step
+            if j.get("outcome") == "joined":
+                ax.axvline(j["step"], color="green", ls="--", lw=1.0, alpha=0.7)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("Loss vs step (red: steps with a kill; black dotted: resumes)")
+    ax.set_title("Loss vs step (red: kills; black dotted: resumes; green dashed: joins)")
     ax.legend(fontsize=8)
     save(fig, "loss")
 
@@ -268,6 +285,10 @@ def text_table(rep: dict) -> str:
             lines.append(f"  {label}: {_fmt(rep['tokens_at_common_process_hours'][label])} "
                          f"tokens = {ratio:.3f}x {first}" if ratio is not None else
                          f"  {label}: {first} has no tokens at that point")
+    for r in rep["runs"]:
+        for j in r.get("joins") or ():
+            lines.append(f"join {r['label']}: before step {j['step']}, slot {j.get('replica')} <- "
+                         f"standby {j.get('standby')} ({j.get('outcome')})")
     for r in rep["runs"]:
         for b in r["breakdown"][:1]:
             parts = ", ".join(f"{k} {b[k]:.2f}" for k in BREAKDOWN_KEYS if b.get(k))

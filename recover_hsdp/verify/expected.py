@@ -34,6 +34,10 @@ restated from the paper and docs/policy.md:
   minor-spares.
 * Adaptive policy (algorithm 8): every replica a major at G_init; the dead are dropped (BLOCKING),
   the step divides by what it commits.
+* A join (hot standby, docs/rejoin.md; the step record's ``extra.joins`` entries with outcome
+  ``joined``), applied before the step it is recorded in: the slot is alive again and resumes
+  its slice at the cursor its lost replica left (so no committed id can come back); then
+  algorithm 7 for the new width with G restarting from ceil(B / W).
 """
 from __future__ import annotations
 
@@ -95,7 +99,20 @@ class ExpectedIds:
         self.g, self.r = g_init, 0
         self.roles: dict[int, str] = {i: MAJOR for i in range(w_init)}
         self.cursor: dict[int, int] = {i: 0 for i in range(w_init)}
+        self.abandoned: dict[int, int] = {}        # a lost slot's cursor, for a later join
         self.step = 0
+
+    def join(self, slot: int) -> None:
+        """A standby took ``slot`` between the previous step and this one."""
+        if slot in self.roles or not 0 <= slot < self.W:
+            raise DerivationError(f"step {self.step}: a join into slot {slot}, which is alive "
+                                  f"or out of range (alive {sorted(self.roles)})")
+        if slot not in self.cursor:
+            if slot not in self.abandoned:
+                raise DerivationError(f"step {self.step}: a join into slot {slot}, never lost")
+            self.cursor[slot] = self.abandoned.pop(slot)
+        self.g = 1
+        self._advance(sorted([*self.roles, slot]))
 
     # ---- one iteration ---------------------------------------------------------------------
     def _prefix(self, role: str) -> int:
@@ -208,14 +225,15 @@ class ExpectedIds:
             if i in roles:
                 self.cursor[i] += P
             else:
-                del self.cursor[i]
+                self.abandoned[i] = self.cursor.pop(i)
         out = ExpectedStep(self.step, contributions, divisor, alive,
                            bool(crossed) and not adaptive, info)
         # after the commit: case-(b) deaths take effect, algorithm 7 after a boundary
         if pending is not None:
             roles = pending
             for d in pending_dead:
-                self.cursor.pop(d, None)
+                if d in self.cursor:
+                    self.abandoned[d] = self.cursor.pop(d)
         if crossed and not adaptive:
             self._advance(sorted(roles))
         else:
@@ -254,6 +272,13 @@ def events_of(record) -> list[Event]:
     return out
 
 
+def joins_of(record) -> list[int]:
+    """Slots a standby joined before this step (``extra.joins``, outcome ``joined``)."""
+    extra = getattr(record, "extra", None) or {}
+    return [int(j["replica"]) for j in (extra.get("joins") or ())
+            if j.get("outcome") == "joined"]
+
+
 def _mode_name(x) -> str | None:
     return None if x is None else str(x).lower()
 
@@ -276,6 +301,8 @@ def check_expected(steps: Mapping[int, object], *, w_init: int, g_init: int,
             return out
         rec = steps[s]
         try:
+            for slot in joins_of(rec):
+                machine.join(slot)
             exp = machine.run_step(events_of(rec))
         except DerivationError as e:
             out.append(Mismatch(s, f"step {s}: recorded failure events are impossible: {e}"))

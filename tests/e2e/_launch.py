@@ -37,7 +37,8 @@ def run_training(cfg: dict, *, timeout: float = 180, env: dict | None = None) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / (run_dir.name + ".resolved.yaml")
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    n = int(cfg["parallel"]["replicas"]) * int(cfg["parallel"]["shard_size"])
+    n = ((int(cfg["parallel"]["replicas"]) + int(cfg["parallel"].get("standby") or 0))
+         * int(cfg["parallel"]["shard_size"]))
     e = dict(os.environ)
     e.update({"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
