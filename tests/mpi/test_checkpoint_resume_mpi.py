@@ -185,28 +185,46 @@ def test_sigusr1_saves_exits_4_then_resumes(tmp_path):
     _check_one_run(out, 8, tmp_path)
 
 
+def _step_losses(files) -> dict[int, float]:
+    return {int(x["step"]): float(x["loss"]) for f in files
+            for x in map(json.loads, f.read_text().splitlines()) if x.get("loss") is not None}
+
+
 def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     """2 replicas x 2 shards -> 4 x 1 with micro_batch_size doubled (B = 4 and tokens per step
     kept): W' = 4 > W_init = 2, so each initial slice is served by two replicas as two
-    sub-streams from its cursor (docs/checkpoint.md); DCP reshards S=2 -> S=1. Every step
-    committed once, the ids after the resume are exactly an uninterrupted run's, verify OK; a
-    record edited to repeat an id across the resume fails verify."""
+    sub-streams from its cursor (docs/checkpoint.md); DCP reshards S=2 -> S=1. The data is a
+    STREAMING source (data=local + data.streaming=true: datasets' json loader standing in for
+    C4): its position is each initial slice's cursor, the resumed ranks' sources are the first
+    launch's slices fast-forwarded to it. Every step committed once, the ids after the resume are
+    exactly an uninterrupted run's, step 4 (computed by both launches from the same parameters,
+    the first's line discarded by the resume) has the same loss, so the same data; verify OK; a
+    record edited to repeat an id fails verify."""
+    import lzma
+
+    corpus = tmp_path / "docs.jsonl"
+    with lzma.open(ROOT / "recover_hsdp/data/embedded/corpus.jsonl.xz", "rt") as f:
+        corpus.write_text("".join(next(f) for _ in range(12)))
     out = tmp_path / "run"
-    base = ["parallel.grad_accum=2", "run.steps=6", "run.ckpt_interval=2",
-            f"run.output_dir={out}", "parallel.seq_len=32", "run.save_params_every=1"]
-    p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2",
+    base = ["data=local", f"data.paths=[{corpus}]", "data.streaming=true",
+            f"data.tokenizer={ROOT / 'recover_hsdp/data/embedded/tokenizer.model'}",
+            "run.steps=6", "run.ckpt_interval=2", f"run.output_dir={out}",
+            "parallel.seq_len=32", "run.save_params_every=1"]
+    p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "parallel.grad_accum=2",
              "parallel.micro_batch_size=1", *base, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    base[0] = "parallel.grad_accum=1"
-    p = _cli("train", "parallel.replicas=4", "parallel.shard_size=1",
+    p = _cli("train", "parallel.replicas=4", "parallel.shard_size=1", "parallel.grad_accum=1",
              "parallel.micro_batch_size=2", "run.resume=true", *base, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    assert "resumed from" in p.stdout
+    assert "resumed from" in p.stdout and "step 4" in p.stdout, p.stdout[-3000:]
     rec = _check_one_run(out, 6, tmp_path)["record"]
     assert rec.steps[5].alive == [0, 1, 2, 3]
     # slice s's sub-streams j=0,1 take k = 8, 9 at step 4: what 2 replicas x G=2 would take
     assert rec.steps[4].contributions == {0: [16, 18], 1: [17, 19]}
     assert rec.steps[5].contributions == {0: [20, 22], 1: [21, 23]}
+    first = _step_losses((out / "steps" / "discarded").glob("seg1.rank*.jsonl"))
+    again = _step_losses((out / "steps").glob("rank1???.jsonl"))
+    assert abs(first[4] - again[4]) <= 1e-4 * abs(first[4]), (first[4], again[4])
     # tamper: step 5 repeats id 16 (committed at step 4, after the resume) -> verify fails
     for f in (out / "steps").glob("rank1???.jsonl"):
         lines = [json.loads(x) for x in f.read_text().splitlines()]
@@ -217,44 +235,3 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     v = _cli("verify", str(out), "--records-only", cwd=tmp_path)
     assert v.returncode == 1, v.stdout[-3000:] + v.stderr[-2000:]
     assert "16" in v.stdout and "twice" in v.stdout, v.stdout[-3000:]
-
-
-def _step_losses(files) -> dict[int, float]:
-    return {int(x["step"]): float(x["loss"]) for f in files
-            for x in map(json.loads, f.read_text().splitlines()) if x.get("loss") is not None}
-
-
-def test_streaming_source_resumes_wider_at_its_cursor(tmp_path):
-    """A streaming source (data=local, datasets' json loader standing in for C4) resumed at
-    another width, 2x1 -> 4x1: the data position is each initial slice's cursor; the resumed
-    ranks' sources are the first launch's slices, fast-forwarded to it. Step 4 is computed by
-    both launches (the first's line was discarded by the resume) from the same parameters and
-    the same ids: the same loss means the same data; the ids are an uninterrupted run's."""
-    import lzma
-
-    corpus = tmp_path / "docs.jsonl"
-    with lzma.open(ROOT / "recover_hsdp/data/embedded/corpus.jsonl.xz", "rt") as f:
-        corpus.write_text("".join(next(f) for _ in range(12)))
-    out = tmp_path / "run"
-    base = ["data=local", f"data.paths=[{corpus}]", "data.streaming=true",
-            f"data.tokenizer={ROOT / 'recover_hsdp/data/embedded/tokenizer.model'}",
-            "parallel.shard_size=1", "run.steps=6", "run.ckpt_interval=2",
-            f"run.output_dir={out}", "parallel.seq_len=32", "parallel.micro_batch_size=2",
-            "run.save_params_every=0"]
-    p = _cli("train", "parallel.replicas=2", "parallel.grad_accum=2", *base, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    p = _cli("train", "parallel.replicas=4", "parallel.grad_accum=1", "run.resume=true", *base,
-             cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    assert "resumed from" in p.stdout and "step 4" in p.stdout, p.stdout[-3000:]
-    from recover_hsdp.record import read_run
-
-    rec = read_run(out)
-    assert sorted(rec.steps) == list(range(6))
-    assert rec.steps[4].contributions == {0: [16, 18], 1: [17, 19]}
-    first = _step_losses((out / "steps" / "discarded").glob("seg1.rank*.jsonl"))
-    again = _step_losses((out / "steps").glob("rank1???.jsonl"))
-    assert 4 in first and 4 in again
-    assert abs(first[4] - again[4]) <= 1e-4 * abs(first[4]), (first[4], again[4])
-    v = _cli("verify", str(out), "--records-only", cwd=tmp_path)
-    assert v.returncode == 0, v.stdout[-3000:] + v.stderr[-2000:]
