@@ -176,6 +176,20 @@ def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
                  f"{plan.replicas} x G'={plan.grad_accum} (B={plan.replicas * plan.grad_accum})")
 
 
+def _watchers(cfg, run_dir: Path):
+    """The launcher's hang watchdog and start-up watch for one segment (both need the ranks'
+    heartbeat, run.hang_timeout_s > 0); the previous segment's heartbeats are cleared first."""
+    if not cfg.run.get("hang_timeout_s"):
+        return None, None
+    from recover_hsdp.faults.failstop import HangWatchdog
+    from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
+
+    clear_startup_state(run_dir)
+    watchdog = HangWatchdog(run_dir, float(cfg.run.hang_timeout_s), float(cfg.run.heartbeat_s),
+                            cfg.run.get("progress_timeout_s")).start()
+    return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
+
+
 def run_resilient(job) -> JobResult:
     """Launch (and relaunch, and resume) one resilient job; see the module docstring."""
     from omegaconf import OmegaConf
@@ -219,7 +233,7 @@ def run_resilient(job) -> JobResult:
             stop["target"] = request_stop(run_dir, signal.Signals(signum).name)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    restarts, t_begin = 0, time.monotonic()
+    restarts, start_tries, t_begin = 0, 0, time.monotonic()
     reason = "resume" if resume else "start"
     try:
         while True:
@@ -261,11 +275,17 @@ def run_resilient(job) -> JobResult:
                 log_off = log.stat().st_size if log.exists() else 0
                 limit = (None if cfg.run.time_limit_s is None else
                          max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
+                watchdog, start_w = _watchers(cfg, run_dir)   # issue 12: hangs, start-up
                 th = threading.Thread(target=lambda: box.update(out=run_job(
-                    cmd, env, log_path=ldir / "output.log", time_limit_s=limit)))
+                    cmd, env, log_path=ldir / "output.log", time_limit_s=limit,
+                    watch=start_w.poll if start_w else None)))
                 th.start()
-                while th.is_alive():
-                    th.join(0.2)
+                try:
+                    while th.is_alive():
+                        th.join(0.2)
+                finally:
+                    if watchdog is not None:
+                        watchdog.stop()
             outcome = box.get("out")
             first = _first_commit_time(run_dir, k)
             try:
@@ -284,6 +304,14 @@ def run_resilient(job) -> JobResult:
             res.steps_committed = len(committed & set(range(steps)))
             res.last_step = max(committed) if committed else None
             res.launcher_wall_s = time.monotonic() - t_begin
+            if (outcome is not None and outcome.stopped == "startup" and start_w is not None
+                    and not start_w.errors_logged()
+                    and start_tries < int(cfg.run.get("start_retries", 1) or 0)):
+                start_tries += 1        # a death before the world formed: launch it again
+                print(f"[{PROG}] start-up failed ({outcome.reason}): launching segment {k} "
+                      f"again ({start_tries}/{cfg.run.get('start_retries', 1)} of "
+                      f"run.start_retries)", flush=True)
+                continue
             if done:
                 res.status, res.exit_code = "ok", EXIT_OK
                 res.note = f"{k + 1} segment(s); {restarts} automatic relaunch(es)"
