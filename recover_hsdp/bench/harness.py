@@ -10,14 +10,18 @@ cores, versions, load at start and end) so that a number is never read without i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shlex
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -91,6 +95,11 @@ def choice_list(choices: Sequence[str], *, all_word: str | None = "all",
 # ---------------------------------------------------------------------------------------------
 # Progress lines, machine, JSON
 # ---------------------------------------------------------------------------------------------
+def command_line(name: str, argv: Sequence[str] | None) -> str:
+    """The command as the user typed it: ``recover-hsdp bench NAME ARGS``."""
+    return f"recover-hsdp bench {name} {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+
+
 def load() -> list[float]:
     """The 1/5/15-minute load averages, rounded: every result records them."""
     return [round(x, 2) for x in os.getloadavg()]
@@ -184,6 +193,41 @@ def fmt(x: float | None, nd: int = 3, unit: str = "", none: str = "-") -> str:
     return none if x is None else f"{x:.{nd}f}{unit}"
 
 
+def verdict(ok: bool | None) -> str:
+    """A target's verdict: MET, NOT MET, or - when it could not be judged."""
+    return "-" if ok is None else ("MET" if ok else "NOT MET")
+
+
+def load_text(x: Sequence[float] | None) -> str:
+    """Load averages as ``a/b/c``; - when missing."""
+    return "-" if not x else "/".join(f"{v:.1f}" for v in x)
+
+
+def header(result: dict, name: str, versions: str = "") -> list[str]:
+    """A report's first two lines: the command, then host, cpus, torch (+``versions``), the load
+    at start and end, and the wall time (the keys :func:`machine` and the benchmark write)."""
+    return [f"recover-hsdp bench {name}   ({result.get('command', '')})",
+            f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
+            f"{result.get('torch', '?')}{versions}; load (1/5/15 min) at start "
+            f"{load_text(result.get('load_start'))}, at end {load_text(result.get('load_end'))}; "
+            f"wall {fmt(result.get('wall_s'), 0, ' s')}"]
+
+
+def footer(result: dict) -> list[str]:
+    """A report's last lines: one ``! error`` line each, then where the JSON went."""
+    return ([f"! {e}" for e in result.get("errors", [])]
+            + ([f"JSON: {result['out']}"] if result.get("out") else []))
+
+
+def columns(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A table's lines, each column as wide as its widest cell: the first column left-aligned,
+    the others right-aligned."""
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in [head, *rows]]
+
+
 def fmt_spec(x: float | None, spec: str, none: str = "-") -> str:
     """``format(x, spec)`` (``",.0f"``, ``".2e"``, ...); ``none`` for a missing value."""
     return none if x is None else format(x, spec)
@@ -236,6 +280,35 @@ def run_logged(cmd: Sequence[Any], log: str | os.PathLike, timeout: float, *,
             proc.wait()
             raise
     return rc, time.perf_counter() - t
+
+
+def run_captured(cmd: Sequence[Any], timeout: float, *, env: dict[str, str] | None = None,
+                 keep: int = 3000) -> tuple[int, str, float]:
+    """:func:`run_logged` with the output kept: (exit code, its last ``keep`` characters,
+    wall s); 124 after ``timeout`` s."""
+    with tempfile.TemporaryDirectory(prefix="bench_") as d:
+        rc, wall = run_logged(cmd, Path(d) / "log", timeout, env=env)
+        out = (Path(d) / "log").read_text(errors="replace").split("\n", 1)[-1]
+    return rc, out[-keep:], wall
+
+
+@contextlib.contextmanager
+def work_dir(given: str | None, prefix: str, keep: bool = False):
+    """Where a benchmark's runs go: ``given`` (kept), else a temporary directory removed at the
+    end unless ``keep``."""
+    work = Path(given).resolve() if given else Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not given and not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def error_line(name: str, e: BaseException) -> str:
+    """An exception as one user-facing line: its last line, prefixed with the benchmark."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    return line if line.startswith("recover-hsdp") else f"recover-hsdp bench {name}: {line}"
 
 
 def free_port() -> int:
