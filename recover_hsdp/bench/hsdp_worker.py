@@ -24,11 +24,12 @@ the end the parameter difference is reported too (AdamW amplifies rounding where
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
+
+from recover_hsdp.bench import harness as H
 
 
 def run(cfg_path: str, out_dir: str) -> int:
@@ -187,10 +188,7 @@ def run(cfg_path: str, out_dir: str) -> int:
            "first": order, "baseline_phases": p_base, "resilient_phases": p_res, "max_param_diff": max(diffs) if diffs else None,
            "param_rel_rms_diff": (num / den) ** 0.5 if den else None,
            "grad_rel_diff_step0": grad_diff, "n_buckets": len(diffs), "load": os.getloadavg()}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(out_dir) / f".rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, Path(out_dir) / f"rank{rank}.json")
+    H.write_json(Path(out_dir) / f"rank{rank}.json", out, indent=None)
     return 0
 
 

@@ -34,21 +34,15 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from recover_hsdp.bench import harness as H
 
 
-def _best_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    """Minimum over `repeat` runs: on a shared machine noise only ever adds time, so the minimum
-    is the closest to the operation's own cost (medians are reported next to it where useful)."""
-    return min(H.times(fn, repeat, warmup))
-
-
-def _stat(ts: list[float]) -> dict:
-    return {"min": min(ts), "median": statistics.median(ts), "n": len(ts)}
+# Times are minima over runs (on a shared machine noise only ever adds time, so the minimum is the
+# closest to the operation's own cost); H.spread (median, quartiles) is reported next to them.
+_stat = H.spread
 
 
 # ---- a one-member group: the orchestrator's own cost, no communication -------------------------
@@ -90,14 +84,14 @@ def machine_copy_gbps(mib: int, repeat: int) -> float:
     n = mib * (1 << 20) // 4
     src = torch.empty(n).fill_(1.0)
     dst = torch.empty(n).fill_(0.0)
-    t = _best_time(lambda: dst.copy_(src), repeat)
+    t = min(H.times(lambda: dst.copy_(src), repeat))
     return n * 4 / t / 1e9
 
 
 def gemm_gflops(repeat: int) -> float:
     a = torch.randn(512, 2048)
     w = torch.randn(2048, 8192)
-    t = _best_time(lambda: a @ w, repeat)
+    t = min(H.times(lambda: a @ w, repeat))
     return 2 * 512 * 2048 * 8192 / t / 1e9
 
 
@@ -303,14 +297,14 @@ def _overlap(dst: torch.Tensor, src: torch.Tensor, copy_s: float, repeat: int) -
     from recover_hsdp.recovery import Rewinder
 
     a, w = torch.randn(512, 2048), torch.randn(2048, 2048)
-    one = _best_time(lambda: a @ w, 3)
+    one = min(H.times(lambda: a @ w, 3))
     k = max(1, round(copy_s / one))
 
     def compute():
         for _ in range(k):
             a @ w
 
-    compute_s = _best_time(compute, repeat)
+    compute_s = min(H.times(compute, repeat))
     plain = Rewinder("copy")
     thread = Rewinder("thread")
 
@@ -365,10 +359,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
     print(f"# copy bandwidth ({args.probe_mb} MiB fp32 copy_): {machine:.2f} GB/s; "
           f"fp32 GEMM {gflops:.1f} GFLOP/s")
-    res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                       "loadavg_start": os.getloadavg()[0], "copy_gbps": machine,
-                       "gemm_gflops": gflops}}
+    res = {"machine": H.machine(torch=torch.__version__, platform=platform.platform(),
+                                torch_threads=torch.get_num_threads(), copy_gbps=machine,
+                                gemm_gflops=gflops)}
     d = bench_debug(args, machine)
     res["debug"] = d
     print(f"\n## debug model: {d['params']:,} params, {d['buckets']} buckets, G={d['grad_accum']}, "
@@ -412,12 +405,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  NON_BLOCKING rewind vs {_fmt(s['overlap_compute_s'])} of GEMMs: plain copy "
               f"then compute {_fmt(s['nonblocking_copy_then_compute_s'])}, worker thread "
               f"{_fmt(s['nonblocking_thread_overlapped_s'])}")
-    res["machine"]["loadavg_end"] = os.getloadavg()[0]
-    if args.out:
-        out = H.write_json(args.out, res)
-        print(f"\n# wrote {out}")
+    res["machine"]["load_end"] = H.load()
+    print(f"\n# wrote {H.write_json(args.out, res)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -86,8 +85,7 @@ def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
             return time.perf_counter() - t, tm - t, loss / G
 
         res: dict[str, list] = {"plain": [], "fsdp": []}
-        for s in range(steps):
-            order = ("plain", "fsdp") if s % 2 == 0 else ("fsdp", "plain")
+        for s, order in enumerate(H.interleaved(("plain", "fsdp"), steps)):
             for arm in order:
                 res[arm].append((step_plain if arm == "plain" else step_fsdp)(s))
         return {arm: {"step_s": [r[0] for r in v], "microbatches_s": [r[1] for r in v],
@@ -200,9 +198,8 @@ def run_attribution(args: argparse.Namespace, work: Path) -> dict:
     cmd = plain_command(args, out)
     cmd[cmd.index("--plain-worker")] = "--fsdp-ab-worker"
     H.say("stack", "attribution: plain vs FSDP-wrapped step, one process, ABBA")
-    p = subprocess.run(cmd, cwd=H.REPO, env=H.child_env(args.threads), capture_output=True,
-                       text=True, timeout=args.timeout)
-    if p.returncode == 0 and out.exists():
+    rc, output, _ = H.run_captured(cmd, args.timeout, env=H.child_env(args.threads))
+    if rc == 0 and out.exists():
         ab = json.loads(out.read_text())
         pl = median_after(ab["plain"]["step_s"], args.skip)
         fs = median_after(ab["fsdp"]["step_s"], args.skip)
@@ -217,23 +214,21 @@ def run_attribution(args: argparse.Namespace, work: Path) -> dict:
                                                                ab["fsdp"]["loss"])),
             "raw": ab}
     else:
-        res["fsdp_ab_error"] = (p.stdout + p.stderr)[-3000:]
+        res["fsdp_ab_error"] = output
     res["load_mid"] = H.load()
     prof = work / "profile.json"
     run_dir = work / "profiled"
     H.say("stack", "attribution: one profiled stack run")
-    env = H.child_env()
-    env["RECOVER_HSDP_WORKER_FN"] = "recover_hsdp.bench.stack_attribution:profiled_worker"
-    env[PROFILE_ENV] = str(prof)
-    p = subprocess.run(stack_command(args, run_dir), cwd=H.REPO, env=env, capture_output=True,
-                       text=True, timeout=args.timeout)
-    if p.returncode == 0 and prof.exists():
+    env = H.child_env(RECOVER_HSDP_WORKER_FN=f"{__name__}:profiled_worker",
+                      **{PROFILE_ENV: str(prof)})
+    rc, output, _ = H.run_captured(stack_command(args, run_dir), args.timeout, env=env)
+    if rc == 0 and prof.exists():
         res["profile_ms"] = {
             k: {m: None if x is None else x * 1e3 for m, x in v.items()}
             for k, v in profile_table(json.loads(prof.read_text()), args.steps,
                                       args.skip).items()}
     else:
-        res["profile_error"] = (p.stdout + p.stderr)[-3000:]
+        res["profile_error"] = output
     res["load_after"] = H.load()
     return res
 
