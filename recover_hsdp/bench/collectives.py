@@ -27,7 +27,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +48,7 @@ def _rank() -> int:
 
 
 def _write(obj) -> None:
-    out = Path(os.environ[OUT_ENV])
-    tmp = out / f".rank{_rank()}.tmp"
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(out / f"rank{_rank()}.json")
+    H.write_json(Path(os.environ[OUT_ENV]) / f"rank{_rank()}.json", obj, indent=None)
 
 
 def _worker_allreduce(args) -> None:
@@ -169,22 +165,17 @@ def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict
     from recover_hsdp.collectives.launch import mpi_env, mpirun_command
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
-    repo = str(Path(__file__).resolve().parents[2])
     extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]
-    cmd = mpirun_command(nprocs, extra_args=extra) + [sys.executable, "-m", "recover_hsdp.bench.collectives",
-                                    *worker_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=mpi_env({OUT_ENV: str(out)}, pythonpath=repo),
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(f"a benchmark job exceeded {timeout:.0f}s (--timeout)") from None
+    cmd = mpirun_command(nprocs, extra_args=extra) + [
+        sys.executable, "-m", "recover_hsdp.bench.collectives", *worker_args]
+    rc, _ = H.run_logged(cmd, out / "job.log", timeout,
+                         env=mpi_env({OUT_ENV: str(out)}, pythonpath=str(H.REPO)))
+    if rc == 124:
+        raise RuntimeError(f"a benchmark job exceeded {timeout:.0f}s (--timeout)")
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     if not results:
-        lines = stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"]
+        lines = (out / "job.log").read_text(errors="replace").strip().splitlines()[1:] or [
+            "no output"]
         ours = [ln for ln in lines if ln.startswith("recover-hsdp")]
         raise RuntimeError(ours[0] if ours else "benchmark job produced no results: " + lines[-1])
     return results
@@ -310,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     from recover_hsdp.collectives.errors import EXIT_UNAVAILABLE
 
     report: dict = {
-        "command": "recover-hsdp bench collectives " + " ".join(argv or sys.argv[1:]),
+        "command": H.command_line("collectives", argv),
         "mca": args.mca, "host": platform.node(), "cpus": os.cpu_count(), "load_before": H.load(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -320,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if "kills" not in args.skip:
             report["kills"] = _bench_kills(args)
     except (RuntimeError, OSError) as e:  # no results / mpirun missing: one line, no traceback
-        line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        if not line.startswith("recover-hsdp"):
-            line = f"recover-hsdp bench collectives: {line}"
-        print(line, file=sys.stderr)
+        print(H.error_line("collectives", e), file=sys.stderr)
         return EXIT_UNAVAILABLE
     report["load_after"] = H.load()
     _print_report(report)

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import shlex
 import shutil
 import signal
 import sys
@@ -54,13 +53,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.harness import free_port, median  # noqa: F401
-from recover_hsdp.bench.peers_analysis import (RECOVERY_FACTOR_TARGET, WARM_STEPS,  # noqa: F401
-                                               analyze, commits_of, format_table, run_length,
-                                               verdicts, write_plot)
-from recover_hsdp.bench.peers_runs import (DATA, KILL_BUCKET, MODEL, Procs, _say,  # noqa: F401
-                                           collect_discards, run_ours, run_plain, run_torchft,
-                                           schedule_entries)
+from recover_hsdp.bench.peers_analysis import WARM_STEPS, analyze, format_table, verdicts, write_plot
+from recover_hsdp.bench.peers_runs import MODEL, Procs, _say, run_ours, run_plain, run_torchft
 
 INSTALL_HINT = ("recover-hsdp bench peers: torchft is not installed; install it with "
                 "`pip install -e '.[peers]'`")
@@ -110,14 +104,6 @@ def parse_kills(text: str, replicas: int, steps: int) -> list[dict]:
     return sorted(out, key=lambda k: (k["step"], k["replica"]))
 
 
-def _modes(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in MODES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"--modes: choose from {','.join(MODES)}")
-    return names
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = H.parser("peers", "torchft (DYNAMIC / FIXED_WITH_SPARES) vs the resilient trainer vs "
                           "plain gloo DDP, same job.", out="peers.json")
@@ -126,7 +112,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--kills", default="12,26",
                    help="kill steps (STEP or STEP:REPLICA, comma list; default 12,26: replica "
                         "N-1 at 12, N-2 at 26); 'none' for no kills")
-    p.add_argument("--modes", type=_modes, default=list(MODES),
+    p.add_argument("--modes", type=H.choice_list(MODES, all_word=None, what="mode"), default=list(MODES),
                    help="torchft modes run with kills: dynamic,fixed")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the failure-free runs (plain DDP, torchft, ours)")
@@ -180,17 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.time()
     deadline_all = t0 + args.time_limit
-    shown = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
         tf_version = version("torchft-nightly")
     except Exception:
         tf_version = "?"
     result: dict[str, Any] = {
-        "command": ("recover-hsdp bench peers " + shown).strip(),
+        "command": H.command_line("peers", argv),
         **H.machine(torch=torch.__version__, torchft=tf_version),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replicas": args.replicas,
         "G": args.grad_accum, "kills": args.kill_list, "relaunch_delay": args.relaunch_delay,
-        "args": {k: v for k, v in vars(args).items()}, "errors": [], "runs": {},
+        "args": vars(args), "errors": [], "runs": {},
         "pids": []}
     work = Path(args.work_dir)
     if work.exists():
@@ -266,6 +251,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = result["errors"] or any(r.get("errors") for r in raw.values())
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -144,11 +144,7 @@ def verdicts(rows: dict[str, dict]) -> dict:
 def format_table(result: dict) -> str:
     rows: dict[str, dict] = result.get("runs", {})
     plain = (rows.get("plain_ddp") or {}).get("step_interval_s")
-    lines = [f"recover-hsdp bench peers   ({result.get('command', '')})",
-             f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
-             f"{result.get('torch', '?')}, torchft {result.get('torchft', '?')}; load at start "
-             f"{result.get('load_start')}, at end {result.get('load_end')}; wall "
-             f"{H.fmt(result.get('wall_s'), 0, ' s')}",
+    lines = H.header(result, "peers", f", torchft {result.get('torchft', '?')}") + [
              f"N={result.get('replicas')} replica groups x 1 process, G={result.get('G')}, "
              f"kills {result.get('kills')} (torchft: relaunched after "
              f"{result.get('relaunch_delay')} s; ours: not relaunched)", "",
@@ -177,17 +173,16 @@ def format_table(result: dict) -> str:
     if "recovery" in v:
         x = v["recovery"]
         lines.append(f"recovery: ours {x['ours_s']:.3f} s vs torchft best {x['torchft_best_s']:.3f}"
-                     f" s -> {x['factor']:.1f}x (target {x['target']}): "
-                     f"{'MET' if x['met'] else 'NOT MET'}")
+                     f" s -> {x['factor']:.1f}x (target {x['target']}): {H.verdict(x['met'])}")
     if "ours_no_discard_constant_B" in v:
         x = v["ours_no_discard_constant_B"]
         lines.append(f"ours: {x['discarded']} steps discarded, gaps {x['gaps']}, divisor always B:"
-                     f" {x['divisor_always_B']} -> {'MET' if x['met'] else 'NOT MET'}")
+                     f" {x['divisor_always_B']} -> {H.verdict(x['met'])}")
     if "overhead" in v:
         x = v["overhead"]
         lines.append(f"failure-free overhead vs plain gloo DDP: ours {x['ours_ratio']:.2f}x, "
                      f"torchft {x['torchft_ratio']:.2f}x (target: ours overhead <= half of "
-                     f"torchft's): {'MET' if x['met'] else 'NOT MET'}")
+                     f"torchft's): {H.verdict(x['met'])}")
     if "loss_torchft_dynamic" in v:
         x = v["loss_torchft_dynamic"]
         lines.append(f"torchft DYNAMIC loss vs ours failure-free: mean |diff| {x['mean_abs']:.4f}, "
@@ -197,11 +192,7 @@ def format_table(result: dict) -> str:
                  f"{WARM_STEPS} (first commit over ranks); wall_s = median in-step time; "
                  "tok/proc-h = committed tokens per process-hour; loss diff = per-step loss minus "
                  "ours_nofail's (mean |diff| / final)")
-    for e in result.get("errors", []):
-        lines.append(f"! {e}")
-    if result.get("out"):
-        lines.append(f"JSON: {result['out']}")
-    return "\n".join(lines)
+    return "\n".join(lines + H.footer(result))
 
 
 def write_plot(result: dict, plot_dir: Path) -> list[str]:
@@ -218,8 +209,8 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
             cells = []
             for n in names:
                 lo = rows[n]["losses"].get(s, rows[n]["losses"].get(str(s)))
-                i = _step_index(rows[n], s)
-                dv = rows[n]["divisors"][i] if i is not None else None
+                ss = sorted(int(k) for k in rows[n]["losses"])
+                dv = rows[n]["divisors"][ss.index(s)] if s in ss else None
                 cells += ["" if lo is None else f"{lo:.6f}", "" if dv is None else str(dv)]
             f.write(f"{s}," + ",".join(cells) + "\n")
     out = [str(csv)]
@@ -258,13 +249,3 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return out + [str(png)]
-
-
-def _step_index(row: dict, s: int) -> int | None:
-    ss = sorted(int(k) for k in row["losses"])
-    try:
-        return ss.index(s)
-    except ValueError:
-        return None
-
-
