@@ -228,6 +228,24 @@ def columns(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             for row in [head, *rows]]
 
 
+@contextlib.contextmanager
+def figure(path: str | os.PathLike, *args: Any, **kw: Any):
+    """``plt.subplots(*args, **kw)`` on the Agg backend: yields (fig, axes), then lays the figure
+    out, saves it to ``path`` (110 dpi) and closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*args, **kw)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
 def fmt_spec(x: float | None, spec: str, none: str = "-") -> str:
     """``format(x, spec)`` (``",.0f"``, ``".2e"``, ...); ``none`` for a missing value."""
     return none if x is None else format(x, spec)

@@ -3,6 +3,7 @@ kill-to-commit, losses against the failure-free run, verdicts, the table and the
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -214,38 +215,31 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
                 cells += ["" if lo is None else f"{lo:.6f}", "" if dv is None else str(dv)]
             f.write(f"{s}," + ",".join(cells) + "\n")
     out = [str(csv)]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         return out
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
-                                 gridspec_kw={"height_ratios": [3, 2]})
-    style = {"ours_nofail": ("k", "-", "ours, no failures (reference)"),
-             "ours_kills": ("tab:blue", "--", "ours, kills"),
-             "torchft_nofail": ("tab:gray", ":", "torchft, no failures"),
-             "torchft_dynamic": ("tab:red", "-", "torchft DYNAMIC, kills"),
-             "torchft_fixed": ("tab:orange", "-", "torchft FIXED_WITH_SPARES, kills"),
-             "plain_ddp": ("tab:green", ":", "plain gloo DDP")}
-    for n in names:
-        c, ls, lab = style[n]
-        ss = sorted(int(s) for s in rows[n]["losses"])
-        ys = [rows[n]["losses"].get(s, rows[n]["losses"].get(str(s))) for s in ss]
-        a1.plot(ss, ys, color=c, ls=ls, label=lab)
-        if n != "plain_ddp":
-            a2.step(ss, rows[n]["divisors"][:len(ss)], where="post", color=c, ls=ls, label=lab)
-    for k in result.get("kills", []):
-        for a in (a1, a2):
-            a.axvline(k["step"], color="0.7", lw=0.8)
-    a1.set_ylabel("loss")
-    a1.legend(fontsize=8)
-    a1.set_title(f"llama_debug, N={result['replicas']}, G={result['G']}, kills at steps "
-                 f"{','.join(str(k['step']) for k in result.get('kills', []))}")
-    a2.set_ylabel("divisor (microbatches)")
-    a2.set_xlabel("step")
-    fig.tight_layout()
     png = plot_dir / "peers_loss.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    with H.figure(png, 2, 1, figsize=(8, 7), sharex=True,
+                  gridspec_kw={"height_ratios": [3, 2]}) as (_, (a1, a2)):
+        style = {"ours_nofail": ("k", "-", "ours, no failures (reference)"),
+                 "ours_kills": ("tab:blue", "--", "ours, kills"),
+                 "torchft_nofail": ("tab:gray", ":", "torchft, no failures"),
+                 "torchft_dynamic": ("tab:red", "-", "torchft DYNAMIC, kills"),
+                 "torchft_fixed": ("tab:orange", "-", "torchft FIXED_WITH_SPARES, kills"),
+                 "plain_ddp": ("tab:green", ":", "plain gloo DDP")}
+        for n in names:
+            c, ls, lab = style[n]
+            ss = sorted(int(s) for s in rows[n]["losses"])
+            ys = [rows[n]["losses"].get(s, rows[n]["losses"].get(str(s))) for s in ss]
+            a1.plot(ss, ys, color=c, ls=ls, label=lab)
+            if n != "plain_ddp":
+                a2.step(ss, rows[n]["divisors"][:len(ss)], where="post", color=c, ls=ls, label=lab)
+        for k in result.get("kills", []):
+            for a in (a1, a2):
+                a.axvline(k["step"], color="0.7", lw=0.8)
+        a1.set_ylabel("loss")
+        a1.legend(fontsize=8)
+        a1.set_title(f"llama_debug, N={result['replicas']}, G={result['G']}, kills at steps "
+                     f"{','.join(str(k['step']) for k in result.get('kills', []))}")
+        a2.set_ylabel("divisor (microbatches)")
+        a2.set_xlabel("step")
     return out + [str(png)]
