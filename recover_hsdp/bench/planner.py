@@ -12,7 +12,6 @@ and writes them as JSON (--out, default bench/results/planner.json). Pure Python
 from __future__ import annotations
 
 import io
-import os
 import statistics
 import subprocess
 import sys
@@ -84,14 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{name}_wall_s"] = round(wall, 4)
         if cpu == cpu:
             result[f"{name}_cpu_s"] = round(cpu, 4)
-    try:
-        result["loadavg_1min"] = os.getloadavg()[0]
-    except OSError:
-        pass
+    result.update(H.machine())
     out = H.write_json(args.out, result, indent=2)
     print(f"wrote {out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
