@@ -272,17 +272,11 @@ def _print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = H.parser("collectives", __doc__.split("\n\n")[0], out="collectives.json",
-                 timeout=900)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--reps", type=int, default=20,
-                   help="timed repetitions per size, at least (rounded up to fill the orders)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--max-bytes", type=int, default=64 * MB)
-    p.add_argument("--min-bytes", type=int, default=4)
+                 timeout=900, ranks=4, reps=(20, "timed repetitions per size, at least (rounded "
+                                             "up to fill the orders)"),
+                 warmup=3, max_bytes=64 * MB, min_bytes=4, kills=10, kills_per_job=2)
     p.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Open MPI MCA parameter for the jobs (repeatable)")
-    p.add_argument("--kills", type=int, default=10)
-    p.add_argument("--kills-per-job", type=int, default=2)
     p.add_argument("--skip", choices=["allreduce", "kills"], action="append", default=[])
     # worker mode (the parent launches these under mpirun)
     p.add_argument("--worker", choices=["allreduce", "kill"], help=argparse.SUPPRESS)

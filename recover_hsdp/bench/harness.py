@@ -34,15 +34,29 @@ RESULTS_DIR = Path("bench") / "results"    # relative to the working directory, 
 # Arguments
 # ---------------------------------------------------------------------------------------------
 def parser(name: str, doc: str | None, *, out: str | None = None,
-           timeout: float | None = None) -> argparse.ArgumentParser:
+           timeout: float | None = None, **opts: Any) -> argparse.ArgumentParser:
     """``recover-hsdp bench NAME`` with the module docstring as help; ``--out`` (default
-    bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them."""
+    bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them; then
+    the benchmark's own :func:`options`."""
     p = argparse.ArgumentParser(prog=f"recover-hsdp bench {name}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if out is not None:
         p.add_argument("--out", default=str(RESULTS_DIR / out), help="JSON output path")
     if timeout is not None:
         p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
+    return options(p, **opts)
+
+
+def options(p: argparse.ArgumentParser, **opts: Any) -> argparse.ArgumentParser:
+    """Add ``--name-with-dashes`` options, each ``name=default``, ``name=(default, help)`` or
+    ``name=(default, help, type)``; the type is the default's, a False default makes a flag."""
+    for name, spec in opts.items():
+        default, hlp, *typ = spec if isinstance(spec, tuple) else (spec, None)
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            p.add_argument(flag, action="store_true", help=hlp)
+        else:
+            p.add_argument(flag, default=default, help=hlp, type=typ[0] if typ else type(default))
     return p
 
 

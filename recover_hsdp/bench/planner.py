@@ -34,14 +34,9 @@ def _timed(fn) -> tuple[float, float, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = H.parser("planner", __doc__, out="planner.json")
-    p.add_argument("--replicas", type=int, default=100_000)
-    p.add_argument("--grad-accum", type=int, default=8)
-    p.add_argument("--failures", type=int, default=50_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--no-cli", action="store_true", help="skip the fresh-process measurement")
-    args = p.parse_args(argv)
+    args = H.parser("planner", __doc__, out="planner.json", replicas=100_000, grad_accum=8,
+                    failures=50_000, seed=0, repeat=3,
+                    no_cli=(False, "skip the fresh-process measurement")).parse_args(argv)
     w, g, k, seed = args.replicas, args.grad_accum, args.failures, args.seed
     argv_plan = ["--replicas", str(w), "--grad-accum", str(g), "--failures", str(k),
                  "--seed", str(seed), "--json"]

@@ -335,21 +335,14 @@ def _fmt(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = H.parser("snapshot", __doc__, out="snapshot.json")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10, help="debug-model steps measured")
-    p.add_argument("--grad-accum", type=int, default=2, help="debug model G (conf default 2)")
-    p.add_argument("--debug-mbs", type=int, default=4)
-    p.add_argument("--debug-seq", type=int, default=128)
-    p.add_argument("--probe-mb", type=int, default=256, help="MiB copied to measure the machine")
-    p.add_argument("--shard-size", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--mbs", type=int, default=1, help="1B step estimate: sequences/microbatch")
-    p.add_argument("--seq", type=int, default=2048, help="1B step estimate: tokens/sequence")
-    p.add_argument("--grad-accum-1b", type=int, default=8, help="1B step estimate: G")
-    p.add_argument("--no-1b", action="store_true", help="skip the 1B shard (1.2 GB x 2)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    args = p.parse_args(argv)
+    args = H.parser(
+        "snapshot", __doc__, out="snapshot.json", repeat=5,
+        steps=(10, "debug-model steps measured"), grad_accum=(2, "debug model G (conf default 2)"),
+        debug_mbs=4, debug_seq=128, probe_mb=(256, "MiB copied to measure the machine"),
+        shard_size=4, vocab=128256, mbs=(1, "1B step estimate: sequences/microbatch"),
+        seq=(2048, "1B step estimate: tokens/sequence"),
+        grad_accum_1b=(8, "1B step estimate: G"), no_1b=(False, "skip the 1B shard (1.2 GB x 2)"),
+        threads=(0, "torch threads (0: torch default)")).parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
