@@ -84,32 +84,25 @@ PHASES = ("overhead", "trainer", "nonboundary", "boundary")
 # arguments and configs
 # ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = H.parser("hsdp", "Failure-free overhead (vs plain FSDP HYBRID_SHARD) and recovery time "
-                 "of the resilient HSDP trainer; see docs/bench_hsdp.md.", out="hsdp.json",
-                 timeout=180.0)
-    p.add_argument("--phases", type=H.choice_list(PHASES, what="phase"), default=list(PHASES),
-                   help=f"comma list of {','.join(PHASES)} (default: all)")
+    p = H.parser(
+        "hsdp", "Failure-free overhead (vs plain FSDP HYBRID_SHARD) and recovery time of the "
+        "resilient HSDP trainer; see docs/bench_hsdp.md.", out="hsdp.json", timeout=180.0,
+        phases=(list(PHASES), f"comma list of {','.join(PHASES)} (default: all)",
+                H.choice_list(PHASES, what="phase")),
+        replicas=(2, "W of the overhead jobs", H.positive_int),
+        shard_size=(2, "S of the overhead jobs (>= 2: with S = 1 FSDP turns HYBRID_SHARD into "
+                    "NO_SHARD and the baseline would not reduce across replicas)", H.positive_int),
+        grad_accum=([2, 1], "G of the overhead jobs, one job per value (default 2,1); the first "
+                    "is the headline and the trainer phase's G", H.int_list),
+        micro_batch_size=(2, "rows per rank", H.positive_int), seq_len=(64, None, H.positive_int),
+        steps=(40, "timed steps per arm", H.positive_int),
+        warmup=(3, "untimed steps first", H.nonneg_int),
+        kills=(5, "at least this many kills per recovery kind (default 5)", H.positive_int),
+        work_dir=(None, "where run directories go (default: a temporary one, removed at the end)",
+                  str), keep=(False, "keep the run directories"))
     p.add_argument("--model", choices=sorted(MODELS), default="debug",
                    help="debug = conf/model/llama_debug.yaml (default); tiny = the e2e tests'")
-    p.add_argument("--replicas", type=H.positive_int, default=2, help="W of the overhead jobs")
-    p.add_argument("--shard-size", type=H.positive_int, default=2,
-                   help="S of the overhead jobs (>= 2: with S = 1 FSDP turns HYBRID_SHARD into "
-                        "NO_SHARD and the baseline would not reduce across replicas)")
-    p.add_argument("--grad-accum", type=H.int_list, default=[2, 1],
-                   help="G of the overhead jobs, one job per value (default 2,1); the first is "
-                        "the headline and the trainer phase's G")
-    p.add_argument("--micro-batch-size", type=H.positive_int, default=2, help="rows per rank")
-    p.add_argument("--seq-len", type=H.positive_int, default=64)
-    p.add_argument("--steps", type=H.positive_int, default=40, help="timed steps per arm")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--kills", type=H.positive_int, default=5,
-                   help="at least this many kills per recovery kind (default 5)")
-    p.add_argument("--work-dir", default=None,
-                   help="where run directories go (default: a temporary one, removed at the end)")
-    p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args(list(argv) if argv is not None else None)
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
     if args.shard_size < 2 and "overhead" in args.phases:
         p.error("--shard-size must be >= 2 for the overhead phase (S = 1 is NO_SHARD in FSDP)")
     if args.seq_len > MODELS[args.model]["max_seq_len"]:

@@ -57,21 +57,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="plots + CSV/JSON (default docs/results)")
     p.add_argument("--runs", default=str(H.REPO / "bench" / "runs" / "paper"),
                    help="run directories (default bench/runs/paper)")
-    p.add_argument("--steps", type=int, default=200, help="trajectory steps (default 200)")
+    H.options(
+        p, steps=(200, "trajectory steps (default 200)"),
+        async_interval=(4, "N of the extra asynchronous-checkpoint run (0: none; default 4)"),
+        ref_seeds=(3, "trajectory: failure-free references with data.seed 0..K-1 (default 3)"),
+        window=(10, "trajectory: steps in the trailing loss mean that is scored (default 10)"),
+        reuse=(False, "keep a run directory whose summary.json says every step committed"),
+        run_timeout_s=(900.0, "time limit of each training job (default 900)"),
+        analyze_only=(False, "run nothing; read the run directories already under --runs"))
     p.add_argument("--intervals", dest="Ns", type=H.int_list, default=[2, 4, 8, 16],
                    help="checkpoint intervals N for the throughput sweep (default 2,4,8,16)")
-    p.add_argument("--async-interval", type=int, default=4,
-                   help="N of the extra asynchronous-checkpoint run (0: none; default 4)")
-    p.add_argument("--ref-seeds", type=int, default=3,
-                   help="trajectory: failure-free references with data.seed 0..K-1 (default 3)")
-    p.add_argument("--window", type=int, default=10,
-                   help="trajectory: steps in the trailing loss mean that is scored (default 10)")
-    p.add_argument("--reuse", action="store_true",
-                   help="keep a run directory whose summary.json says every step committed")
-    p.add_argument("--run-timeout-s", type=float, default=900.0,
-                   help="time limit of each training job (default 900)")
-    p.add_argument("--analyze-only", action="store_true",
-                   help="run nothing; read the run directories already under --runs")
     a = p.parse_args(list(argv))
     if min(a.Ns) < 2 or any(n % 2 for n in a.Ns):
         p.error(f"--intervals: {a.Ns}: each N must be an even integer >= 2 (kills at 1.5N)")

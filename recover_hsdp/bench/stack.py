@@ -75,32 +75,25 @@ FIXED_KEYS = ("parallel.replicas", "parallel.shard_size", "parallel.grad_accum",
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = H.parser("stack", __doc__.split("\n\n")[0], out="stack.json", timeout=300.0)
-    p.add_argument("--steps", type=H.positive_int, default=40, help="N optimizer steps (default 40)")
-    p.add_argument("--accum", type=H.positive_int, default=2,
-                   help="G microbatches per step = parallel.grad_accum (default 2)")
-    p.add_argument("--mbs", type=H.positive_int, default=4,
-                   help="sequences per microbatch = parallel.micro_batch_size (default 4)")
-    p.add_argument("--seq", type=H.positive_int, default=128,
-                   help="tokens per sequence = parallel.seq_len (default 128)")
-    p.add_argument("--skip", type=H.nonneg_int, default=5,
-                   help="warm-up steps left out of the medians (default 5)")
-    p.add_argument("--repeats", type=H.positive_int, default=4,
-                   help="plain/stack pairs, alternating which runs first (default 4)")
-    p.add_argument("--threads", type=H.positive_int, default=1,
-                   help="torch threads of the plain loop; the stack uses run.omp_num_threads "
-                        "(default 1 for both)")
+    pi = H.positive_int
+    p = H.parser(
+        "stack", __doc__.split("\n\n")[0], out="stack.json", timeout=300.0,
+        steps=(40, "N optimizer steps (default 40)", pi),
+        accum=(2, "G microbatches per step = parallel.grad_accum (default 2)", pi),
+        mbs=(4, "sequences per microbatch = parallel.micro_batch_size (default 4)", pi),
+        seq=(128, "tokens per sequence = parallel.seq_len (default 128)", pi),
+        skip=(5, "warm-up steps left out of the medians (default 5)", H.nonneg_int),
+        repeats=(4, "plain/stack pairs, alternating which runs first (default 4)", pi),
+        threads=(1, "torch threads of the plain loop; the stack uses run.omp_num_threads "
+                 "(default 1 for both)", pi),
+        work_dir=(None, "where the stack runs go (default: a temporary directory)", str),
+        keep=(False, "keep the stack run directories (default: deleted at the end; always kept "
+              "when --work-dir is given)"),
+        attribute=(False, "also attribute the gap (one FSDP-vs-plain A/B process and one "
+                   "profiled stack run; ~40 s more)"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra `recover-hsdp train` override applied to BOTH arms (repeatable), "
                         "e.g. --set optim.lr=3e-3 --set model=llama_debug")
-    p.add_argument("--work-dir", default=None,
-                   help="where the stack runs go (default: a temporary directory)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the stack run directories (default: deleted at the end; always "
-                        "kept when --work-dir is given)")
-    p.add_argument("--attribute", action="store_true",
-                   help="also attribute the gap (one FSDP-vs-plain A/B process and one profiled "
-                        "stack run; ~40 s more)")
     p.add_argument("--plain-worker", metavar="OUT", default=None, help=argparse.SUPPRESS)
     p.add_argument("--fsdp-ab-worker", metavar="OUT", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(list(argv))
