@@ -61,7 +61,7 @@ from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.stack_analysis import format_table, summarize
-from recover_hsdp.bench.stack_attribution import run_attribution, run_fsdp_ab
+from recover_hsdp.bench.stack_attribution import plain_step, run_attribution, run_fsdp_ab
 
 PROG = "recover-hsdp bench stack"
 
@@ -143,8 +143,8 @@ def run_plain(cfg, checked, steps: int, threads: int) -> dict:
 
     from recover_hsdp.config import replica_data_config
     from recover_hsdp.data import build_microbatch_source
-    from recover_hsdp.model import build_model, next_token_loss
-    from recover_hsdp.optim import build_optimizer, lr_at, set_lr
+    from recover_hsdp.model import build_model
+    from recover_hsdp.optim import build_optimizer, lr_at
     from recover_hsdp.policy import DataAssignment, StaticWorldPolicy
 
     torch.set_num_threads(threads)
@@ -163,26 +163,12 @@ def run_plain(cfg, checked, steps: int, threads: int) -> dict:
     t_loop = time.perf_counter()
     for step in range(steps):
         t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        step_ids = []
-        for m in range(G):
-            mb_id = assign.microbatch_id(0, m)
-            x, y = src.get(mb_id)
-            loss = next_token_loss(model(x), y, tokens_per_microbatch=tpm)
-            loss.backward()
-            total += float(loss.detach())
-            step_ids.append(mb_id)
-        with torch.no_grad():
-            for p_ in model.parameters():
-                if p_.grad is not None:
-                    p_.grad.div_(G)
-        set_lr(opt, lr_at(step, checked.optim))
-        opt.step()
+        step_ids = [assign.microbatch_id(0, m) for m in range(G)]
+        loss, _ = plain_step(model, opt, src, step_ids, tpm, lr_at(step, checked.optim))
         assign.commit(policy)
         policy.after_commit()
         wall.append(time.perf_counter() - t)
-        losses.append(total / G)
+        losses.append(loss)
         ids.append(step_ids)
     return {"setup_s": setup_s, "loop_s": time.perf_counter() - t_loop,
             "loop_start_time": loop_start_time, "wall_s": wall,
@@ -334,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nstack command: {result['stack_command']}")
     print(f"{result['wall_s']:.0f} s in all; JSON: {out}")
     return 1 if problems else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,6 +18,32 @@ from typing import Any, Sequence
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.harness import median_after
 
+def plain_step(model, opt, src, ids: Sequence[int], tpm: int, lr: float) -> tuple[float, float]:
+    """The plain arm's step: zero_grad, G = len(ids) x (forward, backward), grads / G, lr,
+    optimizer step. Returns (mean loss of the microbatches, microbatch-loop seconds)."""
+    import torch
+
+    from recover_hsdp.model import next_token_loss
+    from recover_hsdp.optim import set_lr
+
+    t = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = 0.0
+    for i in ids:
+        x, y = src.get(i)
+        l_ = next_token_loss(model(x), y, tokens_per_microbatch=tpm)
+        l_.backward()
+        loss += float(l_.detach())
+    tm = time.perf_counter() - t
+    with torch.no_grad():
+        for p_ in model.parameters():
+            if p_.grad is not None:
+                p_.grad.div_(len(ids))
+    set_lr(opt, lr)
+    opt.step()
+    return loss / len(ids), tm
+
+
 def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
     """ONE process, 1 gloo rank: the plain step vs the same step on the model wrapped exactly as
     the stack wraps it (``wrap_hybrid_shard`` + ``MicrobatchAccumulator``, no ULFM, no
@@ -52,20 +78,9 @@ def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
 
         def step_plain(s: int) -> tuple[float, float, float]:
             t = time.perf_counter()
-            p_opt.zero_grad(set_to_none=True)
-            loss = 0.0
-            for m in range(G):
-                x, y = src.get(s * G + m)
-                l_ = next_token_loss(plain(x), y, tokens_per_microbatch=tpm)
-                l_.backward()
-                loss += float(l_.detach())
-            tm = time.perf_counter()
-            with torch.no_grad():
-                for p_ in plain.parameters():
-                    p_.grad.div_(G)
-            set_lr(p_opt, lr_at(s, checked.optim))
-            p_opt.step()
-            return time.perf_counter() - t, tm - t, loss / G
+            loss, tm = plain_step(plain, p_opt, src, [s * G + m for m in range(G)], tpm,
+                                  lr_at(s, checked.optim))
+            return time.perf_counter() - t, tm, loss
 
         def step_fsdp(s: int) -> tuple[float, float, float]:
             t = time.perf_counter()
