@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         if "kills" not in args.skip:
             report["kills"] = _bench_kills(args)
     except (RuntimeError, OSError) as e:  # no results / mpirun missing: one line, no traceback
-        print(H.error_line("collectives", e), file=sys.stderr)
+        line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        print(line if line.startswith("recover-hsdp") else f"recover-hsdp bench collectives: "
+              f"{line}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     report["load_after"] = H.load()
     _print_report(report)

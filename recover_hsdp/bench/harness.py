@@ -233,15 +233,6 @@ def footer(result: dict) -> list[str]:
             + ([f"JSON: {result['out']}"] if result.get("out") else []))
 
 
-def columns(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A table's lines, each column as wide as its widest cell: the first column left-aligned,
-    the others right-aligned."""
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                      for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-            for row in [head, *rows]]
-
-
 @contextlib.contextmanager
 def figure(path: str | os.PathLike, *args: Any, **kw: Any):
     """``plt.subplots(*args, **kw)`` on the Agg backend: yields (fig, axes), then lays the figure
@@ -335,12 +326,6 @@ def work_dir(given: str | None, prefix: str, keep: bool = False):
     finally:
         if not given and not keep:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def error_line(name: str, e: BaseException) -> str:
-    """An exception as one user-facing line: its last line, prefixed with the benchmark."""
-    line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-    return line if line.startswith("recover-hsdp") else f"recover-hsdp bench {name}: {line}"
 
 
 def free_port() -> int:

@@ -104,7 +104,9 @@ def format_table(result: dict) -> str:
         ["stack, commit to commit", _f(s["stack_period_s"] and s["stack_period_s"] * 1e3, ".1f"),
          _f(s["stack_period_tokens_per_s"], ",.0f"), _f(s["ratio_period"], ".2f"), "", "", ""],
     ]
-    lines += H.columns(head, rows) + [
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                        enumerate(zip(row, widths))).rstrip() for row in [head, *rows]] + [
         "",
         f"stack/plain tokens/s per repeat: "
         + ", ".join(_f(r["plain_step_s"] / r["stack_step_s"], ".2f") if r.get("stack_step_s")
