@@ -52,20 +52,14 @@ def analyze(run: dict, ref_losses: dict[int, float] | None = None) -> dict:
     kill_times = sorted(float(f["time"]) for f in rec.fired if f)
     commit_t = sorted((v["time"], s) for s, v in c.items() if v["time"] is not None)
     # steady-state steps: >= WARM_STEPS and not the step a kill landed in nor the one after
-    hit = set()
-    for t in kill_times:
-        nxt = next(((tt, s) for tt, s in commit_t if tt > t), None)
-        if nxt:
-            hit.update({nxt[1], nxt[1] + 1})
+    nexts = [next(((tt, s) for tt, s in commit_t if tt > t), None) for t in kill_times]
+    hit = {s for n in nexts if n for s in (n[1], n[1] + 1)}
     gaps = [c[s]["time"] - c[s - 1]["time"] for s in steps
             if s >= WARM_STEPS and s - 1 in c and s not in hit
             and c[s]["time"] is not None and c[s - 1]["time"] is not None]
     walls = [c[s]["wall_s"] for s in steps if s >= WARM_STEPS and s not in hit]
-    k2c = []
-    for t in kill_times:
-        nxt = next(((tt, s) for tt, s in commit_t if tt > t), None)
-        k2c.append({"kill_time": t, "next_step": nxt[1] if nxt else None,
-                    "kill_to_commit_s": (nxt[0] - t) if nxt else None})
+    k2c = [{"kill_time": t, "next_step": nxt[1] if nxt else None,
+            "kill_to_commit_s": (nxt[0] - t) if nxt else None} for t, nxt in zip(kill_times, nexts)]
     summ = rec.summary or {}
     extra = summ.get("extra") or {}
     discarded = int(extra.get("discarded_steps", 0) or 0)

@@ -40,11 +40,6 @@ import torch
 from recover_hsdp.bench import harness as H
 
 
-# Times are minima over runs (on a shared machine noise only ever adds time, so the minimum is the
-# closest to the operation's own cost); H.spread (median, quartiles) is reported next to them.
-_stat = H.spread
-
-
 # ---- a one-member group: the orchestrator's own cost, no communication -------------------------
 
 @dataclass(frozen=True)
@@ -215,27 +210,27 @@ def bench_debug(args, machine_gbps: float) -> dict:
         "grad_accum": G, "microbatch": [args.debug_mbs, args.debug_seq],
         "torch_threads": torch.get_num_threads(),
         "note": "*_s = minimum over runs; the *_stats entries give min and median",
-        "step_s": step_s, "step_stats": _stat(plain),
-        "step_with_orchestrator_stats": _stat(with_o),
-        "snapshot_s": snap_s, "snapshot_stats": _stat(snap_t),
+        "step_s": step_s, "step_stats": H.spread(plain),
+        "step_with_orchestrator_stats": H.spread(with_o),
+        "snapshot_s": snap_s, "snapshot_stats": H.spread(snap_t),
         "snapshot_fraction": snap_s / step_s,
         "snapshot_fraction_median": statistics.median(snap_t) / statistics.median(plain),
         # per iteration, snapshot time / that same iteration's step time (shared load)
         "snapshot_fraction_paired_median": statistics.median(
             s_ / w_ for s_, w_ in zip(snap_t, with_o)),
         "snapshot_fraction_paired_max": max(s_ / w_ for s_, w_ in zip(snap_t, with_o)),
-        "orchestration_s": orch_s, "orchestration_stats": _stat(orch_t),
+        "orchestration_s": orch_s, "orchestration_stats": H.spread(orch_t),
         "orchestration_fraction": orch_s / step_s,
         "orchestration_fraction_median": statistics.median(orch_t) / statistics.median(plain),
         "orchestration_fraction_paired_median": statistics.median(
             o_ / w_ for o_, w_ in zip(orch_t, with_o)),
-        "rewind_s": rewind, "rewind_stats": _stat(rewind_ts),
+        "rewind_s": rewind, "rewind_stats": H.spread(rewind_ts),
         "snapshot_plus_rewind_fraction": (snap_s + rewind) / step_s,
         "snapshot_gbps": grad_bytes / snap_s / 1e9 if snap_s else None,
         "rewind_gbps": grad_bytes / rewind / 1e9, "machine_copy_gbps": machine_gbps,
         # process CPU seconds (all threads): insensitive to being descheduled on a loaded box
-        "cpu_step_s": _stat(cpu["step"]), "cpu_fire_s": _stat(cpu["fire"]),
-        "cpu_orchestration_s": _stat(cpu["orch"]),
+        "cpu_step_s": H.spread(cpu["step"]), "cpu_fire_s": H.spread(cpu["fire"]),
+        "cpu_orchestration_s": H.spread(cpu["orch"]),
         "cpu_fire_fraction_median": statistics.median(
             f / t for f, t in zip(cpu["fire"], cpu["step"]) if t > 0),
         "cpu_orchestration_fraction_median": statistics.median(
@@ -244,9 +239,9 @@ def bench_debug(args, machine_gbps: float) -> dict:
         "extra_bytes_per_param": orch.snapshot_nbytes() / n_params,
         "snapshot_allocations": orch.store.allocations,
         "nonblocking_copy_then_microbatch_s": min(t_copy),
-        "nonblocking_copy_then_microbatch_stats": _stat(t_copy),
+        "nonblocking_copy_then_microbatch_stats": H.spread(t_copy),
         "nonblocking_thread_overlapped_s": min(t_thread),
-        "nonblocking_thread_overlapped_stats": _stat(t_thread),
+        "nonblocking_thread_overlapped_stats": H.spread(t_thread),
     }
 
 
@@ -279,8 +274,8 @@ def bench_shard(args, machine_gbps: float, gflops: float) -> dict:
         "full_params": n_full, "shard_size": args.shard_size, "shard_params": n,
         "grad_bytes": nbytes, "snapshot_bytes": store.nbytes(),
         "extra_bytes_per_param": store.nbytes() / n,
-        "snapshot_s": snap_s, "snapshot_stats": _stat(snap_ts),
-        "rewind_s": rewind_s, "rewind_stats": _stat(rewind_ts),
+        "snapshot_s": snap_s, "snapshot_stats": H.spread(snap_ts),
+        "rewind_s": rewind_s, "rewind_stats": H.spread(rewind_ts),
         "snapshot_gbps": nbytes / snap_s / 1e9, "rewind_gbps": nbytes / rewind_s / 1e9,
         "machine_copy_gbps": machine_gbps,
         "snapshot_vs_machine": nbytes / snap_s / 1e9 / machine_gbps,
@@ -323,9 +318,9 @@ def _overlap(dst: torch.Tensor, src: torch.Tensor, copy_s: float, repeat: int) -
         t_par += H.times(par, 1, warmup=0)
     out = {"overlap_compute_s": compute_s,
            "nonblocking_copy_then_compute_s": min(t_seq),
-           "nonblocking_copy_then_compute_stats": _stat(t_seq),
+           "nonblocking_copy_then_compute_stats": H.spread(t_seq),
            "nonblocking_thread_overlapped_s": min(t_par),
-           "nonblocking_thread_overlapped_stats": _stat(t_par)}
+           "nonblocking_thread_overlapped_stats": H.spread(t_par)}
     thread.close()
     return out
 
