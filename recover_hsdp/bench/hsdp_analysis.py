@@ -41,11 +41,8 @@ def summarize_overhead(rank_results: Sequence[dict]) -> dict:
             "ratio_cpu": (cr / cb) if cb and cr is not None else None,
             "ratio_per_step": {"median": median(per_step), "p25": q1, "p75": q3},
             "phases_s": phases,
-            "max_param_diff": max((r.get("max_param_diff") or 0.0) for r in rank_results),
-            "param_rel_rms_diff": max((r.get("param_rel_rms_diff") or 0.0)
-                                      for r in rank_results),
-            "grad_rel_diff_step0": max((r.get("grad_rel_diff_step0") or 0.0)
-                                       for r in rank_results),
+            **{k: max((r.get(k) or 0.0) for r in rank_results) for k in (
+                "max_param_diff", "param_rel_rms_diff", "grad_rel_diff_step0")},
             "met": bool(mb and mr / mb <= OVERHEAD_TARGET)}
 
 
@@ -147,12 +144,9 @@ def summarize_kills(rows: Sequence[dict], boundary: bool) -> dict:
     judged = [r.get(key) for r in ok if r.get(key) is not None]
     head = median(judged)
     return {"kills": len(rows), "measured": len(ok), "boundary": boundary,
-            "kill_to_commit_s": spread([r["kill_to_commit_s"] for r in ok]),
-            "protocol_s": spread([r.get("protocol_s") for r in ok]),
-            "excess_s": spread([r.get("excess_s") for r in ok]),
-            "paper_s": spread([r.get("paper_s") for r in ok]),
-            "t_normal_s": spread([r.get("t_normal_s") for r in ok]),
-            "ext_compute_s": spread([r.get("ext_compute_s") for r in ok]),
+            **{k: spread([r.get(k) for r in ok]) for k in (
+                "kill_to_commit_s", "protocol_s", "excess_s", "paper_s", "t_normal_s",
+                "ext_compute_s")},
             "ext_microbatches": sorted({r["ext_microbatches"] for r in ok}),
             "target": f"median {key} < {RECOVERY_TARGET_S} s",
             "under_target": sum(1 for x in judged if x < RECOVERY_TARGET_S),
