@@ -33,7 +33,7 @@ RESULTS_DIR = Path("bench") / "results"    # relative to the working directory, 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-def parser(name: str, doc: str | None, *, out: str | None = None,
+def parser(name: str, doc: str | None, /, *, out: str | None = None,
            timeout: float | None = None, **opts: Any) -> argparse.ArgumentParser:
     """``recover-hsdp bench NAME`` with the module docstring as help; ``--out`` (default
     bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them; then
