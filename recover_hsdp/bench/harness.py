@@ -136,6 +136,14 @@ def machine(**extra: Any) -> dict:
     return out
 
 
+def result(name: str, argv: Sequence[str] | None, args: argparse.Namespace, **extra: Any) -> dict:
+    """A benchmark's JSON head: its command, :func:`machine`, when it started, its arguments,
+    no errors yet, then ``extra``."""
+    return {"command": command_line(name, argv), **machine(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args), "errors": [],
+            **extra}
+
+
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1, **kw: Any) -> Path:
     """Write ``obj`` (dataclasses and paths as text) atomically; return the path."""
     p = Path(path)

@@ -59,7 +59,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.hsdp_analysis import (OVERHEAD_TARGET, RECOVERY_TARGET_S, analyze_kills,
@@ -260,12 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     import torch
 
-    result: dict[str, Any] = {
-        "command": H.command_line("hsdp", argv),
-        **H.machine(torch=torch.__version__), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "errors": [],
-        "targets": {"overhead_ratio_max": OVERHEAD_TARGET, "recovery_s_max": RECOVERY_TARGET_S},
-        "args": vars(args),
-    }
+    result = H.result("hsdp", argv, args, torch=torch.__version__, targets={
+        "overhead_ratio_max": OVERHEAD_TARGET, "recovery_s_max": RECOVERY_TARGET_S})
     with H.work_dir(args.work_dir, "bench_hsdp_", args.keep) as work:
         result["work_dir"] = str(work)
         try:

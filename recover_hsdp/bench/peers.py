@@ -157,13 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tf_version = version("torchft-nightly")
     except Exception:
         tf_version = "?"
-    result: dict[str, Any] = {
-        "command": H.command_line("peers", argv),
-        **H.machine(torch=torch.__version__, torchft=tf_version),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replicas": args.replicas,
-        "G": args.grad_accum, "kills": args.kill_list, "relaunch_delay": args.relaunch_delay,
-        "args": vars(args), "errors": [], "runs": {},
-        "pids": []}
+    result = H.result("peers", argv, args, torch=torch.__version__, torchft=tf_version,
+                      replicas=args.replicas, G=args.grad_accum, kills=args.kill_list,
+                      relaunch_delay=args.relaunch_delay, runs={}, pids=[])
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)

@@ -284,12 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TrainConfigError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
-        result: dict[str, Any] = {
-            "bench": "stack", "command": H.command_line("stack", argv),
-            "stack_command": shlex.join(["python", "-m", "recover_hsdp.cli", "train",
-                                         *train_overrides(args, "<dir>")]),
-            "args": vars(args), **H.machine(), "model": _plain(checked.model),
-            "optim": _plain(checked.optim)}
+        result = H.result("stack", argv, args, bench="stack", model=_plain(checked.model),
+                          optim=_plain(checked.optim), stack_command=shlex.join(
+                              ["python", "-m", "recover_hsdp.cli", "train",
+                               *train_overrides(args, "<dir>")]))
         repeats, problems = [], []
         for i, order in enumerate(H.interleaved(("plain", "stack"), args.repeats)):
             rep: dict[str, Any] = {"index": i, "order": order, "load": {}}

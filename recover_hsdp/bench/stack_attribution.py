@@ -113,24 +113,17 @@ def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
 
 PROFILE_ENV = "RECOVER_HSDP_BENCH_STACK_PROFILE"
 # (label, class path, method): timed per call inside the profiled stack run
+_ORCH = "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator"
 PROFILED = [
     ("train_step", "recover_hsdp.hsdp.manager:HSDPULFMTrainingManager", "train_step"),
     ("microbatches (FSDP fwd+bwd)", "recover_hsdp.hsdp.fsdp_hybrid:MicrobatchAccumulator",
      "microbatch"),
-    ("deferred reduce", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "fire_deferred_allreduces"),
-    ("consensus", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator", "consensus"),
+    ("deferred reduce", _ORCH, "fire_deferred_allreduces"),
+    ("consensus", _ORCH, "consensus"),
     ("optimizer step", "torch.optim:AdamW", "step"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "begin_iteration"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "wait_restore_before_backward"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "note_microbatch"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "enqueue_bucket"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "after_successful_commit"),
+    *[("other protocol", _ORCH, m) for m in ("begin_iteration", "wait_restore_before_backward",
+                                             "note_microbatch", "enqueue_bucket",
+                                             "after_successful_commit")],
     ("record line (fsync)", "recover_hsdp.record.run:RunRecorder", "commit"),
     ("parameter snapshots", "recover_hsdp.record.run:RunRecorder", "save_params"),
 ]
