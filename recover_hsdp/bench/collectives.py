@@ -27,7 +27,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +48,7 @@ def _rank() -> int:
 
 
 def _write(obj) -> None:
-    out = Path(os.environ[OUT_ENV])
-    tmp = out / f".rank{_rank()}.tmp"
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(out / f"rank{_rank()}.json")
+    H.write_json(Path(os.environ[OUT_ENV]) / f"rank{_rank()}.json", obj, indent=None)
 
 
 def _worker_allreduce(args) -> None:
@@ -169,22 +165,17 @@ def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict
     from recover_hsdp.collectives.launch import mpi_env, mpirun_command
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
-    repo = str(Path(__file__).resolve().parents[2])
     extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]
-    cmd = mpirun_command(nprocs, extra_args=extra) + [sys.executable, "-m", "recover_hsdp.bench.collectives",
-                                    *worker_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=mpi_env({OUT_ENV: str(out)}, pythonpath=repo),
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(f"a benchmark job exceeded {timeout:.0f}s (--timeout)") from None
+    cmd = mpirun_command(nprocs, extra_args=extra) + [
+        sys.executable, "-m", "recover_hsdp.bench.collectives", *worker_args]
+    rc, _ = H.run_logged(cmd, out / "job.log", timeout,
+                         env=mpi_env({OUT_ENV: str(out)}, pythonpath=str(H.REPO)))
+    if rc == 124:
+        raise RuntimeError(f"a benchmark job exceeded {timeout:.0f}s (--timeout)")
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     if not results:
-        lines = stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"]
+        lines = (out / "job.log").read_text(errors="replace").strip().splitlines()[1:] or [
+            "no output"]
         ours = [ln for ln in lines if ln.startswith("recover-hsdp")]
         raise RuntimeError(ours[0] if ours else "benchmark job produced no results: " + lines[-1])
     return results
@@ -281,17 +272,11 @@ def _print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = H.parser("collectives", __doc__.split("\n\n")[0], out="collectives.json",
-                 timeout=900)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--reps", type=int, default=20,
-                   help="timed repetitions per size, at least (rounded up to fill the orders)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--max-bytes", type=int, default=64 * MB)
-    p.add_argument("--min-bytes", type=int, default=4)
+                 timeout=900, ranks=4, reps=(20, "timed repetitions per size, at least (rounded "
+                                             "up to fill the orders)"),
+                 warmup=3, max_bytes=64 * MB, min_bytes=4, kills=10, kills_per_job=2)
     p.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Open MPI MCA parameter for the jobs (repeatable)")
-    p.add_argument("--kills", type=int, default=10)
-    p.add_argument("--kills-per-job", type=int, default=2)
     p.add_argument("--skip", choices=["allreduce", "kills"], action="append", default=[])
     # worker mode (the parent launches these under mpirun)
     p.add_argument("--worker", choices=["allreduce", "kill"], help=argparse.SUPPRESS)
@@ -310,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from recover_hsdp.collectives.errors import EXIT_UNAVAILABLE
 
     report: dict = {
-        "command": "recover-hsdp bench collectives " + " ".join(argv or sys.argv[1:]),
+        "command": H.command_line("collectives", argv),
         "mca": args.mca, "host": platform.node(), "cpus": os.cpu_count(), "load_before": H.load(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -321,9 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             report["kills"] = _bench_kills(args)
     except (RuntimeError, OSError) as e:  # no results / mpirun missing: one line, no traceback
         line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        if not line.startswith("recover-hsdp"):
-            line = f"recover-hsdp bench collectives: {line}"
-        print(line, file=sys.stderr)
+        print(line if line.startswith("recover-hsdp") else f"recover-hsdp bench collectives: "
+              f"{line}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     report["load_after"] = H.load()
     _print_report(report)

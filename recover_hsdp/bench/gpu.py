@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 
 from recover_hsdp.bench import harness as H
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = H.REPO
 #: dense bf16 peak FLOP/s by device name substring (the MFU denominator)
 PEAK_BF16 = (("H200", 989.4e12), ("H100", 989.4e12), ("A100", 312e12), ("L40S", 362e12),
              ("A10", 125e12))
@@ -67,27 +67,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.pop("OMPI_COMM_WORLD_RANK", None)
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
-
-
 def _run(cmd: Sequence[str], log: Path, timeout: float) -> tuple[int, float]:
     """Run cmd (own session, output to log); (exit code, wall s). Killed whole at the timeout."""
-    return H.run_logged(cmd, log, max(1.0, timeout), env=_env())
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
+    return H.run_logged(cmd, log, max(1.0, timeout), env=H.child_env(threads))
 
 
 def _tail(log: Path, n: int = 3) -> str:
-    try:
-        return " | ".join(log.read_text().strip().splitlines()[-n:])[-600:]
-    except OSError:
-        return ""
+    return " | ".join(H.tail(log, n + 3).strip().splitlines()[-n:])[-600:]
 
 
 def train(run_dir: Path, overrides: Sequence[str], timeout: float) -> tuple[int, float]:

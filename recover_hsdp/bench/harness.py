@@ -10,14 +10,18 @@ cores, versions, load at start and end) so that a number is never read without i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shlex
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -29,16 +33,30 @@ RESULTS_DIR = Path("bench") / "results"    # relative to the working directory, 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-def parser(name: str, doc: str | None, *, out: str | None = None,
-           timeout: float | None = None) -> argparse.ArgumentParser:
+def parser(name: str, doc: str | None, /, *, out: str | None = None,
+           timeout: float | None = None, **opts: Any) -> argparse.ArgumentParser:
     """``recover-hsdp bench NAME`` with the module docstring as help; ``--out`` (default
-    bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them."""
+    bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them; then
+    the benchmark's own :func:`options`."""
     p = argparse.ArgumentParser(prog=f"recover-hsdp bench {name}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if out is not None:
         p.add_argument("--out", default=str(RESULTS_DIR / out), help="JSON output path")
     if timeout is not None:
         p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
+    return options(p, **opts)
+
+
+def options(p: argparse.ArgumentParser, **opts: Any) -> argparse.ArgumentParser:
+    """Add ``--name-with-dashes`` options, each ``name=default``, ``name=(default, help)`` or
+    ``name=(default, help, type)``; the type is the default's, a False default makes a flag."""
+    for name, spec in opts.items():
+        default, hlp, *typ = spec if isinstance(spec, tuple) else (spec, None)
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            p.add_argument(flag, action="store_true", help=hlp)
+        else:
+            p.add_argument(flag, default=default, help=hlp, type=typ[0] if typ else type(default))
     return p
 
 
@@ -91,6 +109,11 @@ def choice_list(choices: Sequence[str], *, all_word: str | None = "all",
 # ---------------------------------------------------------------------------------------------
 # Progress lines, machine, JSON
 # ---------------------------------------------------------------------------------------------
+def command_line(name: str, argv: Sequence[str] | None) -> str:
+    """The command as the user typed it: ``recover-hsdp bench NAME ARGS``."""
+    return f"recover-hsdp bench {name} {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+
+
 def load() -> list[float]:
     """The 1/5/15-minute load averages, rounded: every result records them."""
     return [round(x, 2) for x in os.getloadavg()]
@@ -111,6 +134,14 @@ def machine(**extra: Any) -> dict:
         out["torch"] = torch.__version__
     out.update(extra)
     return out
+
+
+def result(name: str, argv: Sequence[str] | None, args: argparse.Namespace, **extra: Any) -> dict:
+    """A benchmark's JSON head: its command, :func:`machine`, when it started, its arguments,
+    no errors yet, then ``extra``."""
+    return {"command": command_line(name, argv), **machine(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args), "errors": [],
+            **extra}
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1, **kw: Any) -> Path:
@@ -184,6 +215,50 @@ def fmt(x: float | None, nd: int = 3, unit: str = "", none: str = "-") -> str:
     return none if x is None else f"{x:.{nd}f}{unit}"
 
 
+def verdict(ok: bool | None) -> str:
+    """A target's verdict: MET, NOT MET, or - when it could not be judged."""
+    return "-" if ok is None else ("MET" if ok else "NOT MET")
+
+
+def load_text(x: Sequence[float] | None) -> str:
+    """Load averages as ``a/b/c``; - when missing."""
+    return "-" if not x else "/".join(f"{v:.1f}" for v in x)
+
+
+def header(result: dict, name: str, versions: str = "") -> list[str]:
+    """A report's first two lines: the command, then host, cpus, torch (+``versions``), the load
+    at start and end, and the wall time (the keys :func:`machine` and the benchmark write)."""
+    return [f"recover-hsdp bench {name}   ({result.get('command', '')})",
+            f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
+            f"{result.get('torch', '?')}{versions}; load (1/5/15 min) at start "
+            f"{load_text(result.get('load_start'))}, at end {load_text(result.get('load_end'))}; "
+            f"wall {fmt(result.get('wall_s'), 0, ' s')}"]
+
+
+def footer(result: dict) -> list[str]:
+    """A report's last lines: one ``! error`` line each, then where the JSON went."""
+    return ([f"! {e}" for e in result.get("errors", [])]
+            + ([f"JSON: {result['out']}"] if result.get("out") else []))
+
+
+@contextlib.contextmanager
+def figure(path: str | os.PathLike, *args: Any, **kw: Any):
+    """``plt.subplots(*args, **kw)`` on the Agg backend: yields (fig, axes), then lays the figure
+    out, saves it to ``path`` (110 dpi) and closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*args, **kw)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
 def fmt_spec(x: float | None, spec: str, none: str = "-") -> str:
     """``format(x, spec)`` (``",.0f"``, ``".2e"``, ...); ``none`` for a missing value."""
     return none if x is None else format(x, spec)
@@ -236,6 +311,29 @@ def run_logged(cmd: Sequence[Any], log: str | os.PathLike, timeout: float, *,
             proc.wait()
             raise
     return rc, time.perf_counter() - t
+
+
+def run_captured(cmd: Sequence[Any], timeout: float, *, env: dict[str, str] | None = None,
+                 keep: int = 3000) -> tuple[int, str, float]:
+    """:func:`run_logged` with the output kept: (exit code, its last ``keep`` characters,
+    wall s); 124 after ``timeout`` s."""
+    with tempfile.TemporaryDirectory(prefix="bench_") as d:
+        rc, wall = run_logged(cmd, Path(d) / "log", timeout, env=env)
+        out = (Path(d) / "log").read_text(errors="replace").split("\n", 1)[-1]
+    return rc, out[-keep:], wall
+
+
+@contextlib.contextmanager
+def work_dir(given: str | None, prefix: str, keep: bool = False):
+    """Where a benchmark's runs go: ``given`` (kept), else a temporary directory removed at the
+    end unless ``keep``."""
+    work = Path(given).resolve() if given else Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not given and not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def free_port() -> int:

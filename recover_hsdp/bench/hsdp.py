@@ -52,19 +52,16 @@ Output: a table on stdout and JSON (--out, default bench/results/hsdp.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
-import shlex
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.harness import spread  # noqa: F401 (bench hsdp's summary statistics)
 from recover_hsdp.bench.hsdp_analysis import (OVERHEAD_TARGET, RECOVERY_TARGET_S, analyze_kills,
                                               format_table, summarize_kills, summarize_overhead,
                                               trainer_steps)
@@ -87,32 +84,25 @@ PHASES = ("overhead", "trainer", "nonboundary", "boundary")
 # arguments and configs
 # ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = H.parser("hsdp", "Failure-free overhead (vs plain FSDP HYBRID_SHARD) and recovery time "
-                 "of the resilient HSDP trainer; see docs/bench_hsdp.md.", out="hsdp.json",
-                 timeout=180.0)
-    p.add_argument("--phases", type=H.choice_list(PHASES, what="phase"), default=list(PHASES),
-                   help=f"comma list of {','.join(PHASES)} (default: all)")
+    p = H.parser(
+        "hsdp", "Failure-free overhead (vs plain FSDP HYBRID_SHARD) and recovery time of the "
+        "resilient HSDP trainer; see docs/bench_hsdp.md.", out="hsdp.json", timeout=180.0,
+        phases=(list(PHASES), f"comma list of {','.join(PHASES)} (default: all)",
+                H.choice_list(PHASES, what="phase")),
+        replicas=(2, "W of the overhead jobs", H.positive_int),
+        shard_size=(2, "S of the overhead jobs (>= 2: with S = 1 FSDP turns HYBRID_SHARD into "
+                    "NO_SHARD and the baseline would not reduce across replicas)", H.positive_int),
+        grad_accum=([2, 1], "G of the overhead jobs, one job per value (default 2,1); the first "
+                    "is the headline and the trainer phase's G", H.int_list),
+        micro_batch_size=(2, "rows per rank", H.positive_int), seq_len=(64, None, H.positive_int),
+        steps=(40, "timed steps per arm", H.positive_int),
+        warmup=(3, "untimed steps first", H.nonneg_int),
+        kills=(5, "at least this many kills per recovery kind (default 5)", H.positive_int),
+        work_dir=(None, "where run directories go (default: a temporary one, removed at the end)",
+                  str), keep=(False, "keep the run directories"))
     p.add_argument("--model", choices=sorted(MODELS), default="debug",
                    help="debug = conf/model/llama_debug.yaml (default); tiny = the e2e tests'")
-    p.add_argument("--replicas", type=H.positive_int, default=2, help="W of the overhead jobs")
-    p.add_argument("--shard-size", type=H.positive_int, default=2,
-                   help="S of the overhead jobs (>= 2: with S = 1 FSDP turns HYBRID_SHARD into "
-                        "NO_SHARD and the baseline would not reduce across replicas)")
-    p.add_argument("--grad-accum", type=H.int_list, default=[2, 1],
-                   help="G of the overhead jobs, one job per value (default 2,1); the first is "
-                        "the headline and the trainer phase's G")
-    p.add_argument("--micro-batch-size", type=H.positive_int, default=2, help="rows per rank")
-    p.add_argument("--seq-len", type=H.positive_int, default=64)
-    p.add_argument("--steps", type=H.positive_int, default=40, help="timed steps per arm")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--kills", type=H.positive_int, default=5,
-                   help="at least this many kills per recovery kind (default 5)")
-    p.add_argument("--work-dir", default=None,
-                   help="where run directories go (default: a temporary one, removed at the end)")
-    p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args(list(argv) if argv is not None else None)
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
     if args.shard_size < 2 and "overhead" in args.phases:
         p.error("--shard-size must be >= 2 for the overhead phase (S = 1 is NO_SHARD in FSDP)")
     if args.seq_len > MODELS[args.model]["max_seq_len"]:
@@ -156,8 +146,7 @@ def recovery_runs(kind: str, n_kills: int) -> tuple[int, list[list[dict]]]:
     raise ValueError(kind)
 
 
-def _say(msg: str) -> None:
-    H.say("hsdp", msg)
+_say = functools.partial(H.say, "hsdp")
 
 
 # ------------------------------------------------------------------------------------------
@@ -187,6 +176,11 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
             "log": str(log), "load": H.load()}
 
 
+def _failed(result: dict, what: str, job: dict) -> None:
+    result["errors"].append(f"{what} (stopped={job['stopped']}); log {job['log']}:\n"
+                            + H.tail(job["log"]))
+
+
 def run_overhead(args, work: Path, result: dict, G: int) -> None:
     W, S = args.replicas, args.shard_size
     name = f"overhead_g{G}"
@@ -199,9 +193,7 @@ def run_overhead(args, work: Path, result: dict, G: int) -> None:
                  [str(out_dir)])
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if len(ranks) != W * S:
-        result["errors"].append(f"{name} job: {len(ranks)}/{W * S} ranks reported "
-                                f"(stopped={job['stopped']}); log {job['log']}:\n"
-                                + H.tail(job["log"]))
+        _failed(result, f"{name} job: {len(ranks)}/{W * S} ranks reported", job)
         return
     s = summarize_overhead(ranks)
     s.update(config={"W": W, "S": S, "G": G, "model": args.model, "seq_len": args.seq_len,
@@ -221,8 +213,7 @@ def run_trainer(args, work: Path, result: dict) -> None:
     _say(f"trainer: {W}x{S} ranks, {args.warmup + args.steps} steps, no failures")
     job = launch("trainer", "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
     if not (run_dir / "summary.json").exists():
-        result["errors"].append(f"trainer job did not finish (stopped={job['stopped']}); log "
-                                f"{job['log']}:\n" + H.tail(job["log"]))
+        _failed(result, "trainer job did not finish", job)
         return
     s = trainer_steps(read_run(run_dir), args.warmup)
     ref = [o for o in result.get("overhead") or [] if o["config"]["G"] == G]
@@ -248,8 +239,7 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
              f"{','.join(str(e['step']) for e in schedule)}")
         job = launch(name, "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
         if not (run_dir / "summary.json").exists():
-            result["errors"].append(f"{name} did not finish (stopped={job['stopped']}); log "
-                                    f"{job['log']}:\n" + H.tail(job["log"]))
+            _failed(result, f"{name} did not finish", job)
             continue
         rec = read_run(run_dir)
         for r in analyze_kills(rec, W, G):
@@ -258,12 +248,8 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
     result.setdefault("kills", []).extend(rows)
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        if "error" in r:
-            groups.setdefault(f"{'boundary' if kind == 'boundary' else 'nonboundary'} (W=4 G={G})",
-                              []).append(r)
-            continue
-        label = (f"boundary (W=4 G={G})" if r["boundary"] else f"nonboundary (W=4 G={G})")
-        groups.setdefault(label, []).append(r)
+        b = kind == "boundary" if "error" in r else r["boundary"]
+        groups.setdefault(f"{'boundary' if b else 'nonboundary'} (W=4 G={G})", []).append(r)
     rec_out = result.setdefault("recovery", {})
     for label, rs in groups.items():
         rec_out[label] = summarize_kills(rs, boundary=not label.startswith("nonboundary"))
@@ -274,35 +260,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     import torch
 
-    shown = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    result: dict[str, Any] = {
-        "command": ("recover-hsdp bench hsdp " + shown).strip(),
-        **H.machine(torch=torch.__version__), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "errors": [],
-        "targets": {"overhead_ratio_max": OVERHEAD_TARGET, "recovery_s_max": RECOVERY_TARGET_S},
-        "args": {k: v for k, v in vars(args).items()},
-    }
-    own_tmp = args.work_dir is None
-    work = Path(tempfile.mkdtemp(prefix="bench_hsdp_") if own_tmp else args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    result["work_dir"] = str(work)
-    try:
-        for phase in args.phases:
-            if phase == "overhead":
-                for G in args.grad_accum:
-                    run_overhead(args, work, result, G)
-            elif phase == "trainer":
-                run_trainer(args, work, result)
-            else:
-                run_recovery(args, work, result, phase)
-    finally:
-        result["load_end"] = H.load()
-        result["wall_s"] = time.time() - t0
-        result["out"] = str(H.write_json(args.out, result))
-        if own_tmp and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    result = H.result("hsdp", argv, args, torch=torch.__version__, targets={
+        "overhead_ratio_max": OVERHEAD_TARGET, "recovery_s_max": RECOVERY_TARGET_S})
+    with H.work_dir(args.work_dir, "bench_hsdp_", args.keep) as work:
+        result["work_dir"] = str(work)
+        try:
+            for phase in args.phases:
+                if phase == "overhead":
+                    for G in args.grad_accum:
+                        run_overhead(args, work, result, G)
+                elif phase == "trainer":
+                    run_trainer(args, work, result)
+                else:
+                    run_recovery(args, work, result, phase)
+        finally:
+            result["load_end"] = H.load()
+            result["wall_s"] = time.time() - t0
+            result["out"] = str(H.write_json(args.out, result))
     print(format_table(result), flush=True)
     return 1 if result["errors"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

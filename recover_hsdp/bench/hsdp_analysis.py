@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.harness import median, quartiles, spread
 
 OVERHEAD_TARGET = 1.05
@@ -40,11 +41,8 @@ def summarize_overhead(rank_results: Sequence[dict]) -> dict:
             "ratio_cpu": (cr / cb) if cb and cr is not None else None,
             "ratio_per_step": {"median": median(per_step), "p25": q1, "p75": q3},
             "phases_s": phases,
-            "max_param_diff": max((r.get("max_param_diff") or 0.0) for r in rank_results),
-            "param_rel_rms_diff": max((r.get("param_rel_rms_diff") or 0.0)
-                                      for r in rank_results),
-            "grad_rel_diff_step0": max((r.get("grad_rel_diff_step0") or 0.0)
-                                       for r in rank_results),
+            **{k: max((r.get(k) or 0.0) for r in rank_results) for k in (
+                "max_param_diff", "param_rel_rms_diff", "grad_rel_diff_step0")},
             "met": bool(mb and mr / mb <= OVERHEAD_TARGET)}
 
 
@@ -146,12 +144,9 @@ def summarize_kills(rows: Sequence[dict], boundary: bool) -> dict:
     judged = [r.get(key) for r in ok if r.get(key) is not None]
     head = median(judged)
     return {"kills": len(rows), "measured": len(ok), "boundary": boundary,
-            "kill_to_commit_s": spread([r["kill_to_commit_s"] for r in ok]),
-            "protocol_s": spread([r.get("protocol_s") for r in ok]),
-            "excess_s": spread([r.get("excess_s") for r in ok]),
-            "paper_s": spread([r.get("paper_s") for r in ok]),
-            "t_normal_s": spread([r.get("t_normal_s") for r in ok]),
-            "ext_compute_s": spread([r.get("ext_compute_s") for r in ok]),
+            **{k: spread([r.get(k) for r in ok]) for k in (
+                "kill_to_commit_s", "protocol_s", "excess_s", "paper_s", "t_normal_s",
+                "ext_compute_s")},
             "ext_microbatches": sorted({r["ext_microbatches"] for r in ok}),
             "target": f"median {key} < {RECOVERY_TARGET_S} s",
             "under_target": sum(1 for x in judged if x < RECOVERY_TARGET_S),
@@ -162,42 +157,30 @@ def summarize_kills(rows: Sequence[dict], boundary: bool) -> dict:
 # ------------------------------------------------------------------------------------------
 # table
 # ------------------------------------------------------------------------------------------
-def _f(x: float | None, unit: str = "", nd: int = 3) -> str:
-    return "-" if x is None else f"{x:.{nd}f}{unit}"
-
-
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("MET" if ok else "NOT MET")
-
-
 def format_table(result: dict) -> str:
-    lines = [f"recover-hsdp bench hsdp   ({result.get('command', '')})",
-             f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
-             f"{result.get('torch', '?')}; load (1/5/15 min) at start "
-             f"{_load(result.get('load_start'))}, at end {_load(result.get('load_end'))}; "
-             f"wall {_f(result.get('wall_s'), ' s', 0)}"]
+    lines = H.header(result, "hsdp")
     for ov in result.get("overhead") or []:
         c = ov["config"]
         lines += ["", f"failure-free step time: W={c['W']} S={c['S']} G={c['G']}, model "
                   f"{c['model']} seq {c['seq_len']} x {c['mbs']} rows/rank, {ov['steps']} "
                   f"interleaved steps per arm (+{ov['warmup']} warm-up), load "
-                  f"{_load(ov.get('load'))}",
+                  f"{H.load_text(ov.get('load'))}",
                   f"  {'arm':<50} {'median':>8} {'p25':>8} {'p75':>8}"]
         for key, label in (("baseline_s", "plain FSDP HYBRID_SHARD (gloo + gloo)"),
                            ("resilient_s", "resilient HSDPULFMTrainingManager.train_step")):
             s = ov[key]
-            lines.append(f"  {label:<50} {_f(s['median'], ' s'):>8} {_f(s['p25'], ' s'):>8} "
-                         f"{_f(s['p75'], ' s'):>8}")
+            lines.append(f"  {label:<50} {H.fmt(s['median'], 3, ' s'):>8} {H.fmt(s['p25'], 3, ' s'):>8} "
+                         f"{H.fmt(s['p75'], 3, ' s'):>8}")
         rp = ov["ratio_per_step"]
-        lines.append(f"  {'ratio resilient / baseline':<50} {_f(ov['ratio']):>8} "
-                     f"{_f(ov.get('ratio_p25')):>8}   target <= {OVERHEAD_TARGET} (medians): "
-                     f"{_verdict(ov.get('met'))}")
-        lines.append(f"  per-step ratio (same step, both arms): median {_f(rp['median'])} "
-                     f"[p25 {_f(rp['p25'])}, p75 {_f(rp['p75'])}]; CPU time ratio (medians) "
-                     f"{_f(ov.get('ratio_cpu'))}")
+        lines.append(f"  {'ratio resilient / baseline':<50} {H.fmt(ov['ratio']):>8} "
+                     f"{H.fmt(ov.get('ratio_p25')):>8}   target <= {OVERHEAD_TARGET} (medians): "
+                     f"{H.verdict(ov.get('met'))}")
+        lines.append(f"  per-step ratio (same step, both arms): median {H.fmt(rp['median'])} "
+                     f"[p25 {H.fmt(rp['p25'])}, p75 {H.fmt(rp['p75'])}]; CPU time ratio (medians) "
+                     f"{H.fmt(ov.get('ratio_cpu'))}")
         for arm, ph in ov.get("phases_s", {}).items():
             lines.append(f"  {arm} phases (median s): " + ", ".join(
-                f"{k} {_f(v)}" for k, v in ph.items()))
+                f"{k} {H.fmt(v)}" for k, v in ph.items()))
         lines.append(f"  same work: step-0 gradient max rel diff "
                      f"{ov.get('grad_rel_diff_step0') or 0.0:.1e}; params at the end: max abs "
                      f"diff {ov.get('max_param_diff') or 0.0:.1e}, rel RMS "
@@ -206,10 +189,10 @@ def format_table(result: dict) -> str:
     if tr:
         lines += ["", f"real trainer run (separate job, config of the G={tr['config']['G']} "
                   f"overhead job, no failures): "
-                  f"wall_s median {_f(tr['wall_s']['median'], ' s')}, commit interval median "
-                  f"{_f(tr['commit_interval_s']['median'], ' s')}; vs the overhead job's "
-                  f"baseline: {_f(tr.get('ratio_wall'))} (wall_s), "
-                  f"{_f(tr.get('ratio_commit'))} (commit interval); load {_load(tr.get('load'))}"]
+                  f"wall_s median {H.fmt(tr['wall_s']['median'], 3, ' s')}, commit interval median "
+                  f"{H.fmt(tr['commit_interval_s']['median'], 3, ' s')}; vs the overhead job's "
+                  f"baseline: {H.fmt(tr.get('ratio_wall'))} (wall_s), "
+                  f"{H.fmt(tr.get('ratio_commit'))} (commit interval); load {H.load_text(tr.get('load'))}"]
     kinds = result.get("recovery") or {}
     if kinds:
         lines += ["", "recovery: SIGKILL at reduce bucket 1 -> commit of that step (kill->commit, "
@@ -221,21 +204,14 @@ def format_table(result: dict) -> str:
         for name, s in kinds.items():
             k = s["kill_to_commit_s"]
             tgt = (("protocol" if s.get("boundary") else "kill->commit") + " < 1 s: "
-                   f"{_verdict(s.get('met'))} ({s.get('under_target', 0)}/{k['n']} kills)")
-            rng = f"{_f(k['median'])} [{_f(k['min'])}, {_f(k['max'])}] s"
+                   f"{H.verdict(s.get('met'))} ({s.get('under_target', 0)}/{k['n']} kills)")
+            rng = f"{H.fmt(k['median'])} [{H.fmt(k['min'])}, {H.fmt(k['max'])}] s"
             lines.append(
-                f"  {name:<24} {k['n']:>3} {rng:>29} {_f(s['protocol_s']['median'], ' s'):>9} "
-                f"{_f(s['excess_s']['median'], ' s'):>8} {_f(s['paper_s']['median'], ' s'):>8} "
-                f"{_f(s['t_normal_s']['median'], ' s'):>9} "
+                f"  {name:<24} {k['n']:>3} {rng:>29} {H.fmt(s['protocol_s']['median'], 3, ' s'):>9} "
+                f"{H.fmt(s['excess_s']['median'], 3, ' s'):>8} {H.fmt(s['paper_s']['median'], 3, ' s'):>8} "
+                f"{H.fmt(s['t_normal_s']['median'], 3, ' s'):>9} "
                 f"{','.join(str(x) for x in s['ext_microbatches']) or '-':>7}  {tgt}")
             for e in s.get("errors", []):
                 lines.append(f"    ! kill {e}")
-    for err in result.get("errors", []):
-        lines.append(f"! {err}")
-    if result.get("out"):
-        lines += ["", f"JSON: {result['out']}"]
-    return "\n".join(lines)
+    return "\n".join(lines + H.footer(result))
 
-
-def _load(x: Sequence[float] | None) -> str:
-    return "-" if not x else "/".join(f"{v:.1f}" for v in x)

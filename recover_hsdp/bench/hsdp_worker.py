@@ -1,34 +1,21 @@
-"""Per-rank worker of `recover-hsdp bench hsdp`: plain FSDP HYBRID_SHARD vs the resilient path, A/B.
-
-Started by mpirun (--with-ft ulfm: the resilient manager needs ULFM) with W x S ranks, one
-process per rank, and ``RECOVER_HSDP_STORE`` served by the launcher. Both arms live in the same
-processes, are built from the same resolved config (the trainer's own config helpers), start from
-the same seed and consume the same microbatch ids; their steps are INTERLEAVED (ABBA: baseline
-first on even pairs, resilient first on odd ones) so machine load hits both alike.
-
-* baseline: ``FSDP(process_group=(shard_pg, replicate_pg), HYBRID_SHARD)`` with gloo on both
-  groups, FSDP's default pre/post divide, FSDP's own cross-replica all-reduce inside every
-  backward (G microbatches, each loss / G), ``recover_hsdp.optim`` AdamW + ``lr_at``.
-* resilient: ``HSDPULFMTrainingManager.train_step()`` configured exactly as
-  ``recover_hsdp.hsdp.trainer.run_worker`` configures it (no failure schedule); its time is the
-  ``StepMetrics.wall_s`` the trainer records.
-
-Per step and arm the worker also records phase times and the process CPU time (all threads:
-what the rank burnt, including any busy-waiting in MPI or gloo), a figure less exposed than wall
-time to other tenants of a shared machine. "Same work" check: after step 0 (identical parameters, same data) both arms hold the same
-reduced and divided gradient shards up to float rounding (max relative difference reported); at
-the end the parameter difference is reported too (AdamW amplifies rounding where g ~ 0). Each rank writes ``OUT_DIR/rank{g}.json`` and leaves with ``os._exit``
-(a clean MPI_Finalize under ULFM may hang).
+"""Per-rank worker of `recover-hsdp bench hsdp`'s overhead phase (the arms: that module's
+docstring): plain FSDP HYBRID_SHARD (gloo on both groups, FSDP's own all-reduce and divide) and
+``HSDPULFMTrainingManager.train_step`` built as ``trainer.run_worker`` builds it, in the same
+processes, same seed and microbatch ids, steps interleaved ABBA. Per step and arm: wall time,
+phase times and process CPU time (less exposed to other tenants). Same work: the step-0 gradient
+shards' max relative difference and the parameters' difference at the end. Each rank writes
+``OUT_DIR/rank{g}.json`` and leaves with ``os._exit`` (MPI_Finalize under ULFM may hang).
 
     mpirun --with-ft ulfm -n W*S python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
+
+from recover_hsdp.bench import harness as H
 
 
 def run(cfg_path: str, out_dir: str) -> int:
@@ -187,10 +174,7 @@ def run(cfg_path: str, out_dir: str) -> int:
            "first": order, "baseline_phases": p_base, "resilient_phases": p_res, "max_param_diff": max(diffs) if diffs else None,
            "param_rel_rms_diff": (num / den) ** 0.5 if den else None,
            "grad_rel_diff_step0": grad_diff, "n_buckets": len(diffs), "load": os.getloadavg()}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(out_dir) / f".rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, Path(out_dir) / f"rank{rank}.json")
+    H.write_json(Path(out_dir) / f"rank{rank}.json", out, indent=None)
     return 0
 
 

@@ -24,6 +24,7 @@ control     oversubscription control: failure-free references at W = 4, 3, 2, 1 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -37,7 +38,6 @@ from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.paper_analysis import (  # noqa: F401 (the analysis is part of the API)
     ANALYZERS, FORMATTERS, _smooth, analyze_trajectory, format_trajectory)
 
-REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ("control", "trajectory", "throughput")
 KILL_BUCKET = 1
 
@@ -45,45 +45,31 @@ TRAJ = {"replicas": 8, "grad_accum": 2, "kills_at_fraction": (0.125, 0.25, 0.375
 THRU = {"replicas": 4, "grad_accum": 8}
 
 
-def _log(msg: str) -> None:
-    H.say("paper", msg, stream=sys.stdout, with_load=False)
+_log = functools.partial(H.say, "paper", stream=sys.stdout, with_load=False)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = H.parser("paper", __doc__.split("\n\n")[0])
-    p.add_argument("--exp", default="all",
+    p.add_argument("--exp", dest="exps", type=H.choice_list(EXPERIMENTS, what="experiment"),
+                   default=EXPERIMENTS,
                    help="comma-separated subset of " + ",".join(EXPERIMENTS) + " (default all)")
-    p.add_argument("--out", default=str(REPO / "docs" / "results"),
+    p.add_argument("--out", default=str(H.REPO / "docs" / "results"),
                    help="plots + CSV/JSON (default docs/results)")
-    p.add_argument("--runs", default=str(REPO / "bench" / "runs" / "paper"),
+    p.add_argument("--runs", default=str(H.REPO / "bench" / "runs" / "paper"),
                    help="run directories (default bench/runs/paper)")
-    p.add_argument("--steps", type=int, default=200, help="trajectory steps (default 200)")
-    p.add_argument("--intervals", default="2,4,8,16",
+    H.options(
+        p, steps=(200, "trajectory steps (default 200)"),
+        async_interval=(4, "N of the extra asynchronous-checkpoint run (0: none; default 4)"),
+        ref_seeds=(3, "trajectory: failure-free references with data.seed 0..K-1 (default 3)"),
+        window=(10, "trajectory: steps in the trailing loss mean that is scored (default 10)"),
+        reuse=(False, "keep a run directory whose summary.json says every step committed"),
+        run_timeout_s=(900.0, "time limit of each training job (default 900)"),
+        analyze_only=(False, "run nothing; read the run directories already under --runs"))
+    p.add_argument("--intervals", dest="Ns", type=H.int_list, default=[2, 4, 8, 16],
                    help="checkpoint intervals N for the throughput sweep (default 2,4,8,16)")
-    p.add_argument("--async-interval", type=int, default=4,
-                   help="N of the extra asynchronous-checkpoint run (0: none; default 4)")
-    p.add_argument("--ref-seeds", type=int, default=3,
-                   help="trajectory: failure-free references with data.seed 0..K-1 (default 3)")
-    p.add_argument("--window", type=int, default=10,
-                   help="trajectory: steps in the trailing loss mean that is scored (default 10)")
-    p.add_argument("--reuse", action="store_true",
-                   help="keep a run directory whose summary.json says every step committed")
-    p.add_argument("--run-timeout-s", type=float, default=900.0,
-                   help="time limit of each training job (default 900)")
-    p.add_argument("--analyze-only", action="store_true",
-                   help="run nothing; read the run directories already under --runs")
     a = p.parse_args(list(argv))
-    exps = EXPERIMENTS if a.exp == "all" else tuple(x.strip() for x in a.exp.split(",") if x.strip())
-    bad = [x for x in exps if x not in EXPERIMENTS]
-    if bad:
-        p.error(f"--exp: unknown experiment {bad[0]!r} (have: {', '.join(EXPERIMENTS)})")
-    a.exps = exps
-    try:
-        a.Ns = [int(x) for x in a.intervals.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--intervals: {a.intervals!r} is not a comma-separated list of integers")
-    if not a.Ns or min(a.Ns) < 2 or any(n % 2 for n in a.Ns):
-        p.error(f"--intervals: {a.intervals!r}: each N must be an even integer >= 2 (kills at 1.5N)")
+    if min(a.Ns) < 2 or any(n % 2 for n in a.Ns):
+        p.error(f"--intervals: {a.Ns}: each N must be an even integer >= 2 (kills at 1.5N)")
     if a.ref_seeds < 2:
         p.error(f"--ref-seeds: {a.ref_seeds} must be >= 2 (a band needs two references)")
     if a.window < 1:
@@ -94,10 +80,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------ running
-def _env() -> dict[str, str]:
-    return H.child_env(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-
 def _complete(run_dir: Path, steps: int) -> bool:
     try:
         s = json.loads((run_dir / "summary.json").read_text())
@@ -127,14 +109,14 @@ def train(run_dir: Path, overrides: Sequence[str], steps: int, args: argparse.Na
            f"run.time_limit_s={args.run_timeout_s}"]
     log = run_dir.parent / f"{run_dir.name}.log"
     _log(f"{run_dir.name}: {' '.join(overrides)}")
-    rc, wall = H.run_logged(cmd, log, args.run_timeout_s + 120, env=_env())
+    rc, wall = H.run_logged(cmd, log, args.run_timeout_s + 120,
+                            env=H.child_env(int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if rc == 124:
         raise RuntimeError(f"{run_dir.name}: no result after {args.run_timeout_s + 120:.0f} s "
                            f"(log: {log})")
     if rc != 0:
-        tail = log.read_text().strip().splitlines()[-3:]
         raise RuntimeError(f"{run_dir.name}: exit {rc} after {wall:.0f} s (log: {log}): "
-                           + " | ".join(tail))
+                           + " | ".join(H.tail(log, 3).splitlines()))
     _log(f"{run_dir.name}: done in {wall:.0f} s")
     return wall
 
@@ -155,6 +137,16 @@ def throughput_kills(n: int, replicas: int) -> list[tuple[int, int]]:
     return [(int(1.5 * n) + i * n, replicas - 1 - i) for i in range(replicas - 1)]
 
 
+def _train_all(args: argparse.Namespace, root: Path,
+               plan: Sequence[tuple[str, list[str], int]]) -> dict[str, Path]:
+    """(name, overrides, steps) -> one training job into root/name each (none with
+    --analyze-only); the run directories by name."""
+    for name, overrides, steps in plan:
+        if not args.analyze_only:
+            train(root / name, overrides, steps, args)
+    return {name: root / name for name, _, _ in plan}
+
+
 def run_trajectory(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     W, G = TRAJ["replicas"], TRAJ["grad_accum"]
     sched = write_schedule(root / "kills.yaml", trajectory_kills(args.steps, W))
@@ -163,48 +155,30 @@ def run_trajectory(args: argparse.Namespace, root: Path) -> dict[str, Path]:
         runs[f"reference-seed{seed}"] = ["baseline=reference", f"data.seed={seed}"]
     runs["resilient"] = ["data.seed=0", f"failures.schedule={sched}"]
     runs["drop-and-go"] = ["data.seed=0", "policy=adaptive", f"failures.schedule={sched}"]
-    dirs = {}
-    for name, extra in runs.items():
-        d = root / name
-        if not args.analyze_only:
-            train(d, _shape(W, G) + extra, args.steps, args)
-        dirs[name] = d
-    return dirs
+    return _train_all(args, root, [(n, _shape(W, G) + x, args.steps) for n, x in runs.items()])
 
 
 def run_throughput(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     W, G = THRU["replicas"], THRU["grad_accum"]
-    dirs = {}
     plan = []
     for n in args.Ns:
         steps = int(4.5 * n)
         sched = write_schedule(root / f"kills-N{n}.yaml", throughput_kills(n, W))
-        plan.append((f"cr-N{n}", ["baseline=checkpoint_restart", f"baseline.ckpt_interval={n}",
-                                  f"failures.schedule={sched}"], steps))
-        plan.append((f"resilient-N{n}", [f"failures.schedule={sched}"], steps))
+        plan.append((f"cr-N{n}", _shape(W, G) + ["baseline=checkpoint_restart",
+                     f"baseline.ckpt_interval={n}", f"failures.schedule={sched}"], steps))
+        plan.append((f"resilient-N{n}", _shape(W, G) + [f"failures.schedule={sched}"], steps))
     if args.async_interval:
         n = args.async_interval
         sched = write_schedule(root / f"kills-N{n}.yaml", throughput_kills(n, W))
-        plan.append((f"cr-async-N{n}", ["baseline=checkpoint_restart", f"baseline.ckpt_interval={n}",
-                                        "baseline.ckpt_async=true", f"failures.schedule={sched}"],
-                     int(4.5 * n)))
-    for name, extra, steps in plan:
-        d = root / name
-        if not args.analyze_only:
-            train(d, _shape(W, G) + extra, steps, args)
-        dirs[name] = d
-    return dirs
+        plan.append((f"cr-async-N{n}", _shape(W, G) + [
+            "baseline=checkpoint_restart", f"baseline.ckpt_interval={n}",
+            "baseline.ckpt_async=true", f"failures.schedule={sched}"], int(4.5 * n)))
+    return _train_all(args, root, plan)
 
 
 def run_control(args: argparse.Namespace, root: Path) -> dict[str, Path]:
-    G = THRU["grad_accum"]
-    dirs = {}
-    for w in (4, 3, 2, 1):
-        d = root / f"reference-W{w}"
-        if not args.analyze_only:
-            train(d, _shape(w, G) + ["baseline=reference"], 8, args)
-        dirs[f"reference-W{w}"] = d
-    return dirs
+    return _train_all(args, root, [(f"reference-W{w}", _shape(w, THRU["grad_accum"])
+                                    + ["baseline=reference"], 8) for w in (4, 3, 2, 1)])
 
 
 RUNNERS = {"trajectory": run_trajectory, "throughput": run_throughput, "control": run_control}
@@ -228,6 +202,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(FORMATTERS[exp](results[exp]), flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from recover_hsdp.bench import harness as H
+
 
 def _timelines(dirs: dict[str, Path], interval: int | None = None) -> dict[str, Any]:
     from recover_hsdp.record.timeline import load_timeline
@@ -104,30 +106,22 @@ def analyze_trajectory(args: argparse.Namespace, dirs: dict[str, Path], out: Pat
 
 def _plot_deviation(path: Path, tls: dict, refs: list[str], steps: list[int], sm: dict,
                     lo: dict, hi: dict, mid: dict, window: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.fill_between(steps, [lo[s] - mid[s] for s in steps], [hi[s] - mid[s] for s in steps],
-                    color="tab:blue", alpha=0.25, label=f"failure-free band ({len(refs)} data orders)")
-    colors = {"resilient": "tab:orange", "drop-and-go": "tab:green"}
-    for n in tls:
-        if n in refs:
-            continue
-        ax.plot(steps, [sm[n][s] - mid[s] for s in steps], color=colors.get(n), label=n)
-    for k in tls.get("resilient", next(iter(tls.values()))).kill_steps:
-        if k is not None:
-            ax.axvline(k, color="red", lw=0.6, alpha=0.6)
-    ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xlabel("step (red: a replica killed mid-reduction)")
-    ax.set_ylabel(f"loss - reference mean ({window}-step mean)")
-    ax.set_title("Trajectory: deviation from the failure-free references")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with H.figure(path, figsize=(9, 4)) as (_, ax):
+        ax.fill_between(steps, [lo[s] - mid[s] for s in steps], [hi[s] - mid[s] for s in steps],
+                        color="tab:blue", alpha=0.25, label=f"failure-free band ({len(refs)} data orders)")
+        colors = {"resilient": "tab:orange", "drop-and-go": "tab:green"}
+        for n in tls:
+            if n in refs:
+                continue
+            ax.plot(steps, [sm[n][s] - mid[s] for s in steps], color=colors.get(n), label=n)
+        for k in tls.get("resilient", next(iter(tls.values()))).kill_steps:
+            if k is not None:
+                ax.axvline(k, color="red", lw=0.6, alpha=0.6)
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_xlabel("step (red: a replica killed mid-reduction)")
+        ax.set_ylabel(f"loss - reference mean ({window}-step mean)")
+        ax.set_title("Trajectory: deviation from the failure-free references")
+        ax.legend(fontsize=8)
 
 
 def analyze_throughput(args: argparse.Namespace, dirs: dict[str, Path], out: Path) -> dict:
@@ -186,43 +180,35 @@ def analyze_throughput(args: argparse.Namespace, dirs: dict[str, Path], out: Pat
 
 
 def _plot_vs_n(res: dict, Ns: Sequence[int], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     comps = ("save", "normal", "failure_handling", "restart_init", "load", "rerun", "recovery")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax = axes[0]
-    xs = list(range(len(Ns)))
-    for j, who in enumerate(("cr", "resilient")):
-        bottom = [0.0] * len(Ns)
-        for ci, comp in enumerate(comps):
-            vals = [((res["per_N"][str(n)].get(f"breakdown_{who}") or {}).get(comp) or 0.0)
-                    for n in Ns]
-            if not any(vals):
-                continue
-            ax.bar([x + (j - 0.5) * 0.38 for x in xs], vals, 0.36, bottom=bottom,
-                   color=plt.cm.tab10(ci), label=comp if j == 0 or who == "resilient" and
-                   comp == "recovery" else None, edgecolor="black" if who == "resilient" else None)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(xs, [f"N={n}\nCR | ReCoVer" for n in Ns])
-    ax.set_ylabel("seconds")
-    ax.set_title("single failure at step 1.5N: wall-clock breakdown")
-    ax.legend(fontsize=8)
-    ax = axes[1]
-    for n in Ns:
-        rows = res["per_N"][str(n)]["intervals"]
-        ax.plot([r["interval"] for r in rows if r.get("ratio")],
-                [r["ratio"] for r in rows if r.get("ratio")], marker="o", label=f"N={n}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("interval between consecutive failures (0 = before the first)")
-    ax.set_ylabel("effective throughput ReCoVer / checkpoint-restart")
-    ax.set_title("effective throughput ratio across successive failures")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "paper_vs_N.png", dpi=110)
-    plt.close(fig)
+    with H.figure(out / "paper_vs_N.png", 1, 2, figsize=(12, 4.2)) as (_, axes):
+        ax = axes[0]
+        xs = list(range(len(Ns)))
+        for j, who in enumerate(("cr", "resilient")):
+            bottom = [0.0] * len(Ns)
+            for ci, comp in enumerate(comps):
+                vals = [((res["per_N"][str(n)].get(f"breakdown_{who}") or {}).get(comp) or 0.0)
+                        for n in Ns]
+                if not any(vals):
+                    continue
+                ax.bar([x + (j - 0.5) * 0.38 for x in xs], vals, 0.36, bottom=bottom,
+                       color=f"C{ci}", label=comp if j == 0 or who == "resilient" and
+                       comp == "recovery" else None, edgecolor="black" if who == "resilient" else None)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(xs, [f"N={n}\nCR | ReCoVer" for n in Ns])
+        ax.set_ylabel("seconds")
+        ax.set_title("single failure at step 1.5N: wall-clock breakdown")
+        ax.legend(fontsize=8)
+        ax = axes[1]
+        for n in Ns:
+            rows = res["per_N"][str(n)]["intervals"]
+            ax.plot([r["interval"] for r in rows if r.get("ratio")],
+                    [r["ratio"] for r in rows if r.get("ratio")], marker="o", label=f"N={n}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("interval between consecutive failures (0 = before the first)")
+        ax.set_ylabel("effective throughput ReCoVer / checkpoint-restart")
+        ax.set_title("effective throughput ratio across successive failures")
+        ax.legend(fontsize=8)
 
 
 def analyze_control(args: argparse.Namespace, dirs: dict[str, Path], out: Path) -> dict:
@@ -243,12 +229,12 @@ ANALYZERS = {"trajectory": analyze_trajectory, "throughput": analyze_throughput,
              "control": analyze_control}
 
 
+def _na(x: float | None, nd: int = 2) -> str:
+    return H.fmt(x, nd, none="n/a")
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
-
-
-def _r(x: float | None, nd: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{nd}f}"
 
 
 def format_trajectory(r: dict) -> str:
@@ -273,17 +259,17 @@ def format_throughput(r: dict) -> str:
     lines = ["throughput: effective throughput (tokens / s / allocated process) per interval "
              "between kills; ratio = ReCoVer / checkpoint-restart"]
     for n, v in r["per_N"].items():
-        iv = "  ".join(f"[{x['interval']}] {_r(x['resilient'], 0)}/{_r(x['cr'], 0)}="
-                       f"{_r(x.get('ratio'))}" for x in v["intervals"])
+        iv = "  ".join(f"[{x['interval']}] {_na(x['resilient'], 0)}/{_na(x['cr'], 0)}="
+                       f"{_na(x.get('ratio'))}" for x in v["intervals"])
         b_cr, b_rs = v["breakdown_cr"] or {}, v["breakdown_resilient"] or {}
         lines.append(f"  N={n:>2s}: {iv}")
         net = v["ratio_after_last_failure_net"]
-        lines.append(f"        after last failure {_r(v['ratio_after_last_failure'])}x "
+        lines.append(f"        after last failure {_na(v['ratio_after_last_failure'])}x "
                      f"(net of contention {'n/a: no control run' if net is None else f'{net:.2f}x'});"
                      f" tokens at "
                      f"{v['common_process_hours'] * 3600:.0f} process-s: {v['tokens_resilient']} vs "
                      f"{v['tokens_cr']} ({_pct(v['tokens_gain'])}); first failure: CR "
-                     f"{_r(b_cr.get('total'))} s vs ReCoVer {_r(b_rs.get('total'))} s")
+                     f"{_na(b_cr.get('total'))} s vs ReCoVer {_na(b_rs.get('total'))} s")
     return "\n".join(lines)
 
 

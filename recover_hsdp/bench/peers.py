@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import shlex
 import shutil
 import signal
 import sys
@@ -54,13 +53,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.harness import free_port, median  # noqa: F401
-from recover_hsdp.bench.peers_analysis import (RECOVERY_FACTOR_TARGET, WARM_STEPS,  # noqa: F401
-                                               analyze, commits_of, format_table, run_length,
-                                               verdicts, write_plot)
-from recover_hsdp.bench.peers_runs import (DATA, KILL_BUCKET, MODEL, Procs, _say,  # noqa: F401
-                                           collect_discards, run_ours, run_plain, run_torchft,
-                                           schedule_entries)
+from recover_hsdp.bench.peers_analysis import WARM_STEPS, analyze, format_table, verdicts, write_plot
+from recover_hsdp.bench.peers_runs import MODEL, Procs, _say, run_ours, run_plain, run_torchft
 
 INSTALL_HINT = ("recover-hsdp bench peers: torchft is not installed; install it with "
                 "`pip install -e '.[peers]'`")
@@ -110,47 +104,26 @@ def parse_kills(text: str, replicas: int, steps: int) -> list[dict]:
     return sorted(out, key=lambda k: (k["step"], k["replica"]))
 
 
-def _modes(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in MODES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"--modes: choose from {','.join(MODES)}")
-    return names
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = H.parser("peers", "torchft (DYNAMIC / FIXED_WITH_SPARES) vs the resilient trainer vs "
-                          "plain gloo DDP, same job.", out="peers.json")
-    p.add_argument("--replicas", type=int, default=3, help="replica groups N (1 process each)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kills", default="12,26",
-                   help="kill steps (STEP or STEP:REPLICA, comma list; default 12,26: replica "
-                        "N-1 at 12, N-2 at 26); 'none' for no kills")
-    p.add_argument("--modes", type=_modes, default=list(MODES),
-                   help="torchft modes run with kills: dynamic,fixed")
-    p.add_argument("--no-baselines", action="store_true",
-                   help="skip the failure-free runs (plain DDP, torchft, ours)")
-    p.add_argument("--no-ours", action="store_true", help="skip our resilient runs")
-    p.add_argument("--grad-accum", type=int, default=2, help="G microbatches per replica")
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--fixed-active", type=int, default=None,
-                   help="FIXED_WITH_SPARES min_replica_size (default N-1)")
-    p.add_argument("--relaunch-delay", type=float, default=1.0, help="s after a kill")
-    p.add_argument("--pg-timeout", type=float, default=1.0, help="ProcessGroupGloo timeout, s")
-    p.add_argument("--quorum-tick-ms", type=int, default=100)
-    p.add_argument("--join-timeout-ms", type=int, default=200)
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0,
-                   help="DDP bucket size (>= 2 buckets so the kill lands mid-all-reduce)")
-    p.add_argument("--run-timeout", type=float, default=150.0, help="s per run")
-    p.add_argument("--time-limit", type=float, default=900.0, help="s for the whole bench")
-    p.add_argument("--work-dir", default="bench/results/peers_runs",
-                   help="run directories (replaced on each invocation)")
-    p.add_argument("--plot-dir", default=None,
-                   help="write peers_loss.png and peers_steps.csv / peers_summary.json here")
+    p = H.parser(
+        "peers", "torchft (DYNAMIC / FIXED_WITH_SPARES) vs the resilient trainer vs plain gloo "
+        "DDP, same job.", out="peers.json", replicas=(3, "replica groups N (1 process each)"),
+        steps=40, kills=("12,26", "kill steps (STEP or STEP:REPLICA, comma list; default 12,26: "
+                         "replica N-1 at 12, N-2 at 26); 'none' for no kills"),
+        modes=(list(MODES), "torchft modes run with kills: dynamic,fixed",
+               H.choice_list(MODES, all_word=None, what="mode")),
+        no_baselines=(False, "skip the failure-free runs (plain DDP, torchft, ours)"),
+        no_ours=(False, "skip our resilient runs"),
+        grad_accum=(2, "G microbatches per replica"), micro_batch_size=2, seq_len=64, lr=3e-3,
+        warmup_steps=2, fixed_active=(None, "FIXED_WITH_SPARES min_replica_size (default N-1)",
+                                      int),
+        relaunch_delay=(1.0, "s after a kill"), pg_timeout=(1.0, "ProcessGroupGloo timeout, s"),
+        quorum_tick_ms=100, join_timeout_ms=200, heartbeat_timeout_ms=5000,
+        bucket_cap_mb=(1.0, "DDP bucket size (>= 2 buckets so the kill lands mid-all-reduce)"),
+        run_timeout=(150.0, "s per run"), time_limit=(900.0, "s for the whole bench"),
+        work_dir=("bench/results/peers_runs", "run directories (replaced on each invocation)"),
+        plot_dir=(None, "write peers_loss.png and peers_steps.csv / peers_summary.json here",
+                  str))
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.replicas < 2:
         p.error("--replicas must be >= 2")
@@ -180,18 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.time()
     deadline_all = t0 + args.time_limit
-    shown = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
         tf_version = version("torchft-nightly")
     except Exception:
         tf_version = "?"
-    result: dict[str, Any] = {
-        "command": ("recover-hsdp bench peers " + shown).strip(),
-        **H.machine(torch=torch.__version__, torchft=tf_version),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replicas": args.replicas,
-        "G": args.grad_accum, "kills": args.kill_list, "relaunch_delay": args.relaunch_delay,
-        "args": {k: v for k, v in vars(args).items()}, "errors": [], "runs": {},
-        "pids": []}
+    result = H.result("peers", argv, args, torch=torch.__version__, torchft=tf_version,
+                      replicas=args.replicas, G=args.grad_accum, kills=args.kill_list,
+                      relaunch_delay=args.relaunch_delay, runs={}, pids=[])
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)
@@ -266,6 +234,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = result["errors"] or any(r.get("errors") for r in raw.values())
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

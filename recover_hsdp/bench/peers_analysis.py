@@ -3,6 +3,7 @@ kill-to-commit, losses against the failure-free run, verdicts, the table and the
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,20 +52,14 @@ def analyze(run: dict, ref_losses: dict[int, float] | None = None) -> dict:
     kill_times = sorted(float(f["time"]) for f in rec.fired if f)
     commit_t = sorted((v["time"], s) for s, v in c.items() if v["time"] is not None)
     # steady-state steps: >= WARM_STEPS and not the step a kill landed in nor the one after
-    hit = set()
-    for t in kill_times:
-        nxt = next(((tt, s) for tt, s in commit_t if tt > t), None)
-        if nxt:
-            hit.update({nxt[1], nxt[1] + 1})
+    nexts = [next(((tt, s) for tt, s in commit_t if tt > t), None) for t in kill_times]
+    hit = {s for n in nexts if n for s in (n[1], n[1] + 1)}
     gaps = [c[s]["time"] - c[s - 1]["time"] for s in steps
             if s >= WARM_STEPS and s - 1 in c and s not in hit
             and c[s]["time"] is not None and c[s - 1]["time"] is not None]
     walls = [c[s]["wall_s"] for s in steps if s >= WARM_STEPS and s not in hit]
-    k2c = []
-    for t in kill_times:
-        nxt = next(((tt, s) for tt, s in commit_t if tt > t), None)
-        k2c.append({"kill_time": t, "next_step": nxt[1] if nxt else None,
-                    "kill_to_commit_s": (nxt[0] - t) if nxt else None})
+    k2c = [{"kill_time": t, "next_step": nxt[1] if nxt else None,
+            "kill_to_commit_s": (nxt[0] - t) if nxt else None} for t, nxt in zip(kill_times, nexts)]
     summ = rec.summary or {}
     extra = summ.get("extra") or {}
     discarded = int(extra.get("discarded_steps", 0) or 0)
@@ -144,11 +139,7 @@ def verdicts(rows: dict[str, dict]) -> dict:
 def format_table(result: dict) -> str:
     rows: dict[str, dict] = result.get("runs", {})
     plain = (rows.get("plain_ddp") or {}).get("step_interval_s")
-    lines = [f"recover-hsdp bench peers   ({result.get('command', '')})",
-             f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
-             f"{result.get('torch', '?')}, torchft {result.get('torchft', '?')}; load at start "
-             f"{result.get('load_start')}, at end {result.get('load_end')}; wall "
-             f"{H.fmt(result.get('wall_s'), 0, ' s')}",
+    lines = H.header(result, "peers", f", torchft {result.get('torchft', '?')}") + [
              f"N={result.get('replicas')} replica groups x 1 process, G={result.get('G')}, "
              f"kills {result.get('kills')} (torchft: relaunched after "
              f"{result.get('relaunch_delay')} s; ours: not relaunched)", "",
@@ -177,17 +168,16 @@ def format_table(result: dict) -> str:
     if "recovery" in v:
         x = v["recovery"]
         lines.append(f"recovery: ours {x['ours_s']:.3f} s vs torchft best {x['torchft_best_s']:.3f}"
-                     f" s -> {x['factor']:.1f}x (target {x['target']}): "
-                     f"{'MET' if x['met'] else 'NOT MET'}")
+                     f" s -> {x['factor']:.1f}x (target {x['target']}): {H.verdict(x['met'])}")
     if "ours_no_discard_constant_B" in v:
         x = v["ours_no_discard_constant_B"]
         lines.append(f"ours: {x['discarded']} steps discarded, gaps {x['gaps']}, divisor always B:"
-                     f" {x['divisor_always_B']} -> {'MET' if x['met'] else 'NOT MET'}")
+                     f" {x['divisor_always_B']} -> {H.verdict(x['met'])}")
     if "overhead" in v:
         x = v["overhead"]
         lines.append(f"failure-free overhead vs plain gloo DDP: ours {x['ours_ratio']:.2f}x, "
                      f"torchft {x['torchft_ratio']:.2f}x (target: ours overhead <= half of "
-                     f"torchft's): {'MET' if x['met'] else 'NOT MET'}")
+                     f"torchft's): {H.verdict(x['met'])}")
     if "loss_torchft_dynamic" in v:
         x = v["loss_torchft_dynamic"]
         lines.append(f"torchft DYNAMIC loss vs ours failure-free: mean |diff| {x['mean_abs']:.4f}, "
@@ -197,11 +187,7 @@ def format_table(result: dict) -> str:
                  f"{WARM_STEPS} (first commit over ranks); wall_s = median in-step time; "
                  "tok/proc-h = committed tokens per process-hour; loss diff = per-step loss minus "
                  "ours_nofail's (mean |diff| / final)")
-    for e in result.get("errors", []):
-        lines.append(f"! {e}")
-    if result.get("out"):
-        lines.append(f"JSON: {result['out']}")
-    return "\n".join(lines)
+    return "\n".join(lines + H.footer(result))
 
 
 def write_plot(result: dict, plot_dir: Path) -> list[str]:
@@ -218,53 +204,36 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
             cells = []
             for n in names:
                 lo = rows[n]["losses"].get(s, rows[n]["losses"].get(str(s)))
-                i = _step_index(rows[n], s)
-                dv = rows[n]["divisors"][i] if i is not None else None
+                ss = sorted(int(k) for k in rows[n]["losses"])
+                dv = rows[n]["divisors"][ss.index(s)] if s in ss else None
                 cells += ["" if lo is None else f"{lo:.6f}", "" if dv is None else str(dv)]
             f.write(f"{s}," + ",".join(cells) + "\n")
     out = [str(csv)]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         return out
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
-                                 gridspec_kw={"height_ratios": [3, 2]})
-    style = {"ours_nofail": ("k", "-", "ours, no failures (reference)"),
-             "ours_kills": ("tab:blue", "--", "ours, kills"),
-             "torchft_nofail": ("tab:gray", ":", "torchft, no failures"),
-             "torchft_dynamic": ("tab:red", "-", "torchft DYNAMIC, kills"),
-             "torchft_fixed": ("tab:orange", "-", "torchft FIXED_WITH_SPARES, kills"),
-             "plain_ddp": ("tab:green", ":", "plain gloo DDP")}
-    for n in names:
-        c, ls, lab = style[n]
-        ss = sorted(int(s) for s in rows[n]["losses"])
-        ys = [rows[n]["losses"].get(s, rows[n]["losses"].get(str(s))) for s in ss]
-        a1.plot(ss, ys, color=c, ls=ls, label=lab)
-        if n != "plain_ddp":
-            a2.step(ss, rows[n]["divisors"][:len(ss)], where="post", color=c, ls=ls, label=lab)
-    for k in result.get("kills", []):
-        for a in (a1, a2):
-            a.axvline(k["step"], color="0.7", lw=0.8)
-    a1.set_ylabel("loss")
-    a1.legend(fontsize=8)
-    a1.set_title(f"llama_debug, N={result['replicas']}, G={result['G']}, kills at steps "
-                 f"{','.join(str(k['step']) for k in result.get('kills', []))}")
-    a2.set_ylabel("divisor (microbatches)")
-    a2.set_xlabel("step")
-    fig.tight_layout()
     png = plot_dir / "peers_loss.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    with H.figure(png, 2, 1, figsize=(8, 7), sharex=True,
+                  gridspec_kw={"height_ratios": [3, 2]}) as (_, (a1, a2)):
+        style = {"ours_nofail": ("k", "-", "ours, no failures (reference)"),
+                 "ours_kills": ("tab:blue", "--", "ours, kills"),
+                 "torchft_nofail": ("tab:gray", ":", "torchft, no failures"),
+                 "torchft_dynamic": ("tab:red", "-", "torchft DYNAMIC, kills"),
+                 "torchft_fixed": ("tab:orange", "-", "torchft FIXED_WITH_SPARES, kills"),
+                 "plain_ddp": ("tab:green", ":", "plain gloo DDP")}
+        for n in names:
+            c, ls, lab = style[n]
+            ss = sorted(int(s) for s in rows[n]["losses"])
+            ys = [rows[n]["losses"].get(s, rows[n]["losses"].get(str(s))) for s in ss]
+            a1.plot(ss, ys, color=c, ls=ls, label=lab)
+            if n != "plain_ddp":
+                a2.step(ss, rows[n]["divisors"][:len(ss)], where="post", color=c, ls=ls, label=lab)
+        for k in result.get("kills", []):
+            for a in (a1, a2):
+                a.axvline(k["step"], color="0.7", lw=0.8)
+        a1.set_ylabel("loss")
+        a1.legend(fontsize=8)
+        a1.set_title(f"llama_debug, N={result['replicas']}, G={result['G']}, kills at steps "
+                     f"{','.join(str(k['step']) for k in result.get('kills', []))}")
+        a2.set_ylabel("divisor (microbatches)")
+        a2.set_xlabel("step")
     return out + [str(png)]
-
-
-def _step_index(row: dict, s: int) -> int | None:
-    ss = sorted(int(k) for k in row["losses"])
-    try:
-        return ss.index(s)
-    except ValueError:
-        return None
-
-

@@ -5,6 +5,7 @@ started, killed and relaunched here, each leaving a run directory `recover-hsdp 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -86,8 +87,7 @@ def _lighthouse_bin() -> str:
     return str(cand) if cand.exists() else (shutil.which("torchft_lighthouse") or str(cand))
 
 
-def _say(msg: str) -> None:
-    H.say("peers", msg)
+_say = functools.partial(H.say, "peers")
 
 
 # ------------------------------------------------------------------------------- run dirs
@@ -130,17 +130,21 @@ def run_plain(args, procs: Procs, run_dir: Path, deadline: float) -> dict:
     ps, info = [], []
     t0 = time.time()
     for r in range(args.replicas):
-        sp = dict(spec, replica=r, attempt=0)
-        path = run_dir / "launch" / f"r{r}a0.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(sp))
-        p = procs.popen([sys.executable, "-m", "recover_hsdp.peers.torchft_worker", str(path)],
-                        run_dir / "logs" / f"r{r}a0.log", env=_env())
-        ps.append(p)
-        info.append({"replica": r, "attempt": 0, "pid": p.pid, "spawn": time.time()})
+        ps.append(_spawn(procs, run_dir, dict(spec, replica=r, attempt=0)))
+        info.append({"replica": r, "attempt": 0, "pid": ps[-1].pid, "spawn": time.time()})
     errors = _wait_all(ps, info, deadline, procs)
     _finish_summary(run_dir, args, time.time() - t0, info, [], [])
     return {"run_dir": str(run_dir), "mode": mode, "procs": info, "errors": errors}
+
+
+def _spawn(procs: Procs, run_dir: Path, spec: dict, pass_fds: Sequence[int] = ()):
+    """One torchft_worker process of replica spec["replica"], attempt spec["attempt"]."""
+    name = f"r{spec['replica']}a{spec['attempt']}"
+    path = run_dir / "launch" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    return procs.popen([sys.executable, "-m", "recover_hsdp.peers.torchft_worker", str(path)],
+                       run_dir / "logs" / f"{name}.log", env=_env(), pass_fds=pass_fds)
 
 
 def _wait_all(ps, info, deadline, procs: Procs) -> list[str]:
@@ -199,11 +203,7 @@ def run_torchft(args, procs: Procs, run_dir: Path, mode: str, kills: list[dict],
         sp = dict(spec, replica=r, attempt=attempt, notify_fd=wfd,
                   kill=({"step": kill_of[r]["step"], "bucket": KILL_BUCKET}
                         if r in kill_of and attempt == 0 else None))
-        path = run_dir / "launch" / f"r{r}a{attempt}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(sp))
-        p = procs.popen([sys.executable, "-m", "recover_hsdp.peers.torchft_worker", str(path)],
-                        run_dir / "logs" / f"r{r}a{attempt}.log", env=_env(), pass_fds=(wfd,))
+        p = _spawn(procs, run_dir, sp, pass_fds=(wfd,))
         os.close(wfd)
         rec = {"replica": r, "attempt": attempt, "pid": p.pid, "spawn": time.time(), "proc": p,
                "fd": rfd}

@@ -12,7 +12,6 @@ and writes them as JSON (--out, default bench/results/planner.json). Pure Python
 from __future__ import annotations
 
 import io
-import os
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,9 @@ def _timed(fn) -> tuple[float, float, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = H.parser("planner", __doc__, out="planner.json")
-    p.add_argument("--replicas", type=int, default=100_000)
-    p.add_argument("--grad-accum", type=int, default=8)
-    p.add_argument("--failures", type=int, default=50_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--no-cli", action="store_true", help="skip the fresh-process measurement")
-    args = p.parse_args(argv)
+    args = H.parser("planner", __doc__, out="planner.json", replicas=100_000, grad_accum=8,
+                    failures=50_000, seed=0, repeat=3,
+                    no_cli=(False, "skip the fresh-process measurement")).parse_args(argv)
     w, g, k, seed = args.replicas, args.grad_accum, args.failures, args.seed
     argv_plan = ["--replicas", str(w), "--grad-accum", str(g), "--failures", str(k),
                  "--seed", str(seed), "--json"]
@@ -84,14 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{name}_wall_s"] = round(wall, 4)
         if cpu == cpu:
             result[f"{name}_cpu_s"] = round(cpu, 4)
-    try:
-        result["loadavg_1min"] = os.getloadavg()[0]
-    except OSError:
-        pass
+    result.update(H.machine())
     out = H.write_json(args.out, result, indent=2)
     print(f"wrote {out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,21 +34,10 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from recover_hsdp.bench import harness as H
-
-
-def _best_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    """Minimum over `repeat` runs: on a shared machine noise only ever adds time, so the minimum
-    is the closest to the operation's own cost (medians are reported next to it where useful)."""
-    return min(H.times(fn, repeat, warmup))
-
-
-def _stat(ts: list[float]) -> dict:
-    return {"min": min(ts), "median": statistics.median(ts), "n": len(ts)}
 
 
 # ---- a one-member group: the orchestrator's own cost, no communication -------------------------
@@ -90,14 +79,14 @@ def machine_copy_gbps(mib: int, repeat: int) -> float:
     n = mib * (1 << 20) // 4
     src = torch.empty(n).fill_(1.0)
     dst = torch.empty(n).fill_(0.0)
-    t = _best_time(lambda: dst.copy_(src), repeat)
+    t = min(H.times(lambda: dst.copy_(src), repeat))
     return n * 4 / t / 1e9
 
 
 def gemm_gflops(repeat: int) -> float:
     a = torch.randn(512, 2048)
     w = torch.randn(2048, 8192)
-    t = _best_time(lambda: a @ w, repeat)
+    t = min(H.times(lambda: a @ w, repeat))
     return 2 * 512 * 2048 * 8192 / t / 1e9
 
 
@@ -221,27 +210,27 @@ def bench_debug(args, machine_gbps: float) -> dict:
         "grad_accum": G, "microbatch": [args.debug_mbs, args.debug_seq],
         "torch_threads": torch.get_num_threads(),
         "note": "*_s = minimum over runs; the *_stats entries give min and median",
-        "step_s": step_s, "step_stats": _stat(plain),
-        "step_with_orchestrator_stats": _stat(with_o),
-        "snapshot_s": snap_s, "snapshot_stats": _stat(snap_t),
+        "step_s": step_s, "step_stats": H.spread(plain),
+        "step_with_orchestrator_stats": H.spread(with_o),
+        "snapshot_s": snap_s, "snapshot_stats": H.spread(snap_t),
         "snapshot_fraction": snap_s / step_s,
         "snapshot_fraction_median": statistics.median(snap_t) / statistics.median(plain),
         # per iteration, snapshot time / that same iteration's step time (shared load)
         "snapshot_fraction_paired_median": statistics.median(
             s_ / w_ for s_, w_ in zip(snap_t, with_o)),
         "snapshot_fraction_paired_max": max(s_ / w_ for s_, w_ in zip(snap_t, with_o)),
-        "orchestration_s": orch_s, "orchestration_stats": _stat(orch_t),
+        "orchestration_s": orch_s, "orchestration_stats": H.spread(orch_t),
         "orchestration_fraction": orch_s / step_s,
         "orchestration_fraction_median": statistics.median(orch_t) / statistics.median(plain),
         "orchestration_fraction_paired_median": statistics.median(
             o_ / w_ for o_, w_ in zip(orch_t, with_o)),
-        "rewind_s": rewind, "rewind_stats": _stat(rewind_ts),
+        "rewind_s": rewind, "rewind_stats": H.spread(rewind_ts),
         "snapshot_plus_rewind_fraction": (snap_s + rewind) / step_s,
         "snapshot_gbps": grad_bytes / snap_s / 1e9 if snap_s else None,
         "rewind_gbps": grad_bytes / rewind / 1e9, "machine_copy_gbps": machine_gbps,
         # process CPU seconds (all threads): insensitive to being descheduled on a loaded box
-        "cpu_step_s": _stat(cpu["step"]), "cpu_fire_s": _stat(cpu["fire"]),
-        "cpu_orchestration_s": _stat(cpu["orch"]),
+        "cpu_step_s": H.spread(cpu["step"]), "cpu_fire_s": H.spread(cpu["fire"]),
+        "cpu_orchestration_s": H.spread(cpu["orch"]),
         "cpu_fire_fraction_median": statistics.median(
             f / t for f, t in zip(cpu["fire"], cpu["step"]) if t > 0),
         "cpu_orchestration_fraction_median": statistics.median(
@@ -250,9 +239,9 @@ def bench_debug(args, machine_gbps: float) -> dict:
         "extra_bytes_per_param": orch.snapshot_nbytes() / n_params,
         "snapshot_allocations": orch.store.allocations,
         "nonblocking_copy_then_microbatch_s": min(t_copy),
-        "nonblocking_copy_then_microbatch_stats": _stat(t_copy),
+        "nonblocking_copy_then_microbatch_stats": H.spread(t_copy),
         "nonblocking_thread_overlapped_s": min(t_thread),
-        "nonblocking_thread_overlapped_stats": _stat(t_thread),
+        "nonblocking_thread_overlapped_stats": H.spread(t_thread),
     }
 
 
@@ -285,8 +274,8 @@ def bench_shard(args, machine_gbps: float, gflops: float) -> dict:
         "full_params": n_full, "shard_size": args.shard_size, "shard_params": n,
         "grad_bytes": nbytes, "snapshot_bytes": store.nbytes(),
         "extra_bytes_per_param": store.nbytes() / n,
-        "snapshot_s": snap_s, "snapshot_stats": _stat(snap_ts),
-        "rewind_s": rewind_s, "rewind_stats": _stat(rewind_ts),
+        "snapshot_s": snap_s, "snapshot_stats": H.spread(snap_ts),
+        "rewind_s": rewind_s, "rewind_stats": H.spread(rewind_ts),
         "snapshot_gbps": nbytes / snap_s / 1e9, "rewind_gbps": nbytes / rewind_s / 1e9,
         "machine_copy_gbps": machine_gbps,
         "snapshot_vs_machine": nbytes / snap_s / 1e9 / machine_gbps,
@@ -303,14 +292,14 @@ def _overlap(dst: torch.Tensor, src: torch.Tensor, copy_s: float, repeat: int) -
     from recover_hsdp.recovery import Rewinder
 
     a, w = torch.randn(512, 2048), torch.randn(2048, 2048)
-    one = _best_time(lambda: a @ w, 3)
+    one = min(H.times(lambda: a @ w, 3))
     k = max(1, round(copy_s / one))
 
     def compute():
         for _ in range(k):
             a @ w
 
-    compute_s = _best_time(compute, repeat)
+    compute_s = min(H.times(compute, repeat))
     plain = Rewinder("copy")
     thread = Rewinder("thread")
 
@@ -329,9 +318,9 @@ def _overlap(dst: torch.Tensor, src: torch.Tensor, copy_s: float, repeat: int) -
         t_par += H.times(par, 1, warmup=0)
     out = {"overlap_compute_s": compute_s,
            "nonblocking_copy_then_compute_s": min(t_seq),
-           "nonblocking_copy_then_compute_stats": _stat(t_seq),
+           "nonblocking_copy_then_compute_stats": H.spread(t_seq),
            "nonblocking_thread_overlapped_s": min(t_par),
-           "nonblocking_thread_overlapped_stats": _stat(t_par)}
+           "nonblocking_thread_overlapped_stats": H.spread(t_par)}
     thread.close()
     return out
 
@@ -341,21 +330,14 @@ def _fmt(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = H.parser("snapshot", __doc__, out="snapshot.json")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10, help="debug-model steps measured")
-    p.add_argument("--grad-accum", type=int, default=2, help="debug model G (conf default 2)")
-    p.add_argument("--debug-mbs", type=int, default=4)
-    p.add_argument("--debug-seq", type=int, default=128)
-    p.add_argument("--probe-mb", type=int, default=256, help="MiB copied to measure the machine")
-    p.add_argument("--shard-size", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--mbs", type=int, default=1, help="1B step estimate: sequences/microbatch")
-    p.add_argument("--seq", type=int, default=2048, help="1B step estimate: tokens/sequence")
-    p.add_argument("--grad-accum-1b", type=int, default=8, help="1B step estimate: G")
-    p.add_argument("--no-1b", action="store_true", help="skip the 1B shard (1.2 GB x 2)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    args = p.parse_args(argv)
+    args = H.parser(
+        "snapshot", __doc__, out="snapshot.json", repeat=5,
+        steps=(10, "debug-model steps measured"), grad_accum=(2, "debug model G (conf default 2)"),
+        debug_mbs=4, debug_seq=128, probe_mb=(256, "MiB copied to measure the machine"),
+        shard_size=4, vocab=128256, mbs=(1, "1B step estimate: sequences/microbatch"),
+        seq=(2048, "1B step estimate: tokens/sequence"),
+        grad_accum_1b=(8, "1B step estimate: G"), no_1b=(False, "skip the 1B shard (1.2 GB x 2)"),
+        threads=(0, "torch threads (0: torch default)")).parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -365,10 +347,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
     print(f"# copy bandwidth ({args.probe_mb} MiB fp32 copy_): {machine:.2f} GB/s; "
           f"fp32 GEMM {gflops:.1f} GFLOP/s")
-    res = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                       "loadavg_start": os.getloadavg()[0], "copy_gbps": machine,
-                       "gemm_gflops": gflops}}
+    res = {"machine": H.machine(torch=torch.__version__, platform=platform.platform(),
+                                torch_threads=torch.get_num_threads(), copy_gbps=machine,
+                                gemm_gflops=gflops)}
     d = bench_debug(args, machine)
     res["debug"] = d
     print(f"\n## debug model: {d['params']:,} params, {d['buckets']} buckets, G={d['grad_accum']}, "
@@ -412,12 +393,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  NON_BLOCKING rewind vs {_fmt(s['overlap_compute_s'])} of GEMMs: plain copy "
               f"then compute {_fmt(s['nonblocking_copy_then_compute_s'])}, worker thread "
               f"{_fmt(s['nonblocking_thread_overlapped_s'])}")
-    res["machine"]["loadavg_end"] = os.getloadavg()[0]
-    if args.out:
-        out = H.write_json(args.out, res)
-        print(f"\n# wrote {out}")
+    res["machine"]["load_end"] = H.load()
+    print(f"\n# wrote {H.write_json(args.out, res)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

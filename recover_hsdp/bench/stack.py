@@ -49,11 +49,10 @@ ids) failed; the losses' agreement is reported, not enforced.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,15 +60,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
-# bench stack's parts, re-exported: one name space for the tests and for `-m` workers
-from recover_hsdp.bench.harness import median_after  # noqa: F401
-from recover_hsdp.bench.stack_analysis import (format_table, intervals,  # noqa: F401
-                                               summarize, tokens_per_s)
-from recover_hsdp.bench.stack_attribution import (PROFILE_ENV, format_attribution,  # noqa: F401
-                                                  profile_table, profiled_worker,
-                                                  run_attribution, run_fsdp_ab)
+from recover_hsdp.bench.stack_analysis import format_table, summarize
+from recover_hsdp.bench.stack_attribution import plain_step, run_attribution, run_fsdp_ab
 
-REPO = Path(__file__).resolve().parents[2]
 PROG = "recover-hsdp bench stack"
 
 
@@ -82,34 +75,25 @@ FIXED_KEYS = ("parallel.replicas", "parallel.shard_size", "parallel.grad_accum",
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = H.parser("stack", __doc__.split("\n\n")[0], out="stack.json")
-    p.add_argument("--steps", type=H.positive_int, default=40, help="N optimizer steps (default 40)")
-    p.add_argument("--accum", type=H.positive_int, default=2,
-                   help="G microbatches per step = parallel.grad_accum (default 2)")
-    p.add_argument("--mbs", type=H.positive_int, default=4,
-                   help="sequences per microbatch = parallel.micro_batch_size (default 4)")
-    p.add_argument("--seq", type=H.positive_int, default=128,
-                   help="tokens per sequence = parallel.seq_len (default 128)")
-    p.add_argument("--skip", type=H.nonneg_int, default=5,
-                   help="warm-up steps left out of the medians (default 5)")
-    p.add_argument("--repeats", type=H.positive_int, default=4,
-                   help="plain/stack pairs, alternating which runs first (default 4)")
-    p.add_argument("--threads", type=H.positive_int, default=1,
-                   help="torch threads of the plain loop; the stack uses run.omp_num_threads "
-                        "(default 1 for both)")
+    pi = H.positive_int
+    p = H.parser(
+        "stack", __doc__.split("\n\n")[0], out="stack.json", timeout=300.0,
+        steps=(40, "N optimizer steps (default 40)", pi),
+        accum=(2, "G microbatches per step = parallel.grad_accum (default 2)", pi),
+        mbs=(4, "sequences per microbatch = parallel.micro_batch_size (default 4)", pi),
+        seq=(128, "tokens per sequence = parallel.seq_len (default 128)", pi),
+        skip=(5, "warm-up steps left out of the medians (default 5)", H.nonneg_int),
+        repeats=(4, "plain/stack pairs, alternating which runs first (default 4)", pi),
+        threads=(1, "torch threads of the plain loop; the stack uses run.omp_num_threads "
+                 "(default 1 for both)", pi),
+        work_dir=(None, "where the stack runs go (default: a temporary directory)", str),
+        keep=(False, "keep the stack run directories (default: deleted at the end; always kept "
+              "when --work-dir is given)"),
+        attribute=(False, "also attribute the gap (one FSDP-vs-plain A/B process and one "
+                   "profiled stack run; ~40 s more)"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra `recover-hsdp train` override applied to BOTH arms (repeatable), "
                         "e.g. --set optim.lr=3e-3 --set model=llama_debug")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds one stack run may take (default 300)")
-    p.add_argument("--work-dir", default=None,
-                   help="where the stack runs go (default: a temporary directory)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the stack run directories (default: deleted at the end; always "
-                        "kept when --work-dir is given)")
-    p.add_argument("--attribute", action="store_true",
-                   help="also attribute the gap (one FSDP-vs-plain A/B process and one profiled "
-                        "stack run; ~40 s more)")
     p.add_argument("--plain-worker", metavar="OUT", default=None, help=argparse.SUPPRESS)
     p.add_argument("--fsdp-ab-worker", metavar="OUT", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(list(argv))
@@ -147,7 +131,7 @@ def resolved_config(args: argparse.Namespace, run_dir: Path):
     from recover_hsdp.config import compose_config, resolve_config, validate
 
     cfg = compose_config(train_overrides(args, run_dir))
-    cfg = resolve_config(cfg, cwd=REPO, run_dir=run_dir)
+    cfg = resolve_config(cfg, cwd=H.REPO, run_dir=run_dir)
     return cfg, validate(cfg)
 
 
@@ -159,8 +143,8 @@ def run_plain(cfg, checked, steps: int, threads: int) -> dict:
 
     from recover_hsdp.config import replica_data_config
     from recover_hsdp.data import build_microbatch_source
-    from recover_hsdp.model import build_model, next_token_loss
-    from recover_hsdp.optim import build_optimizer, lr_at, set_lr
+    from recover_hsdp.model import build_model
+    from recover_hsdp.optim import build_optimizer, lr_at
     from recover_hsdp.policy import DataAssignment, StaticWorldPolicy
 
     torch.set_num_threads(threads)
@@ -179,26 +163,12 @@ def run_plain(cfg, checked, steps: int, threads: int) -> dict:
     t_loop = time.perf_counter()
     for step in range(steps):
         t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        step_ids = []
-        for m in range(G):
-            mb_id = assign.microbatch_id(0, m)
-            x, y = src.get(mb_id)
-            loss = next_token_loss(model(x), y, tokens_per_microbatch=tpm)
-            loss.backward()
-            total += float(loss.detach())
-            step_ids.append(mb_id)
-        with torch.no_grad():
-            for p_ in model.parameters():
-                if p_.grad is not None:
-                    p_.grad.div_(G)
-        set_lr(opt, lr_at(step, checked.optim))
-        opt.step()
+        step_ids = [assign.microbatch_id(0, m) for m in range(G)]
+        loss, _ = plain_step(model, opt, src, step_ids, tpm, lr_at(step, checked.optim))
         assign.commit(policy)
         policy.after_commit()
         wall.append(time.perf_counter() - t)
-        losses.append(total / G)
+        losses.append(loss)
         ids.append(step_ids)
     return {"setup_s": setup_s, "loop_s": time.perf_counter() - t_loop,
             "loop_start_time": loop_start_time, "wall_s": wall,
@@ -218,18 +188,12 @@ def plain_command(args: argparse.Namespace, out: str | os.PathLike) -> list[str]
 
 def run_plain_process(args: argparse.Namespace, out: Path) -> dict:
     """Run the plain arm in a fresh process; its numbers plus start-up (launch -> loop)."""
-    cmd = plain_command(args, out)
-    t_launch = time.time()
-    p = subprocess.run(cmd, cwd=REPO, env=H.child_env(args.threads), capture_output=True,
-                       text=True, timeout=args.timeout)
-    t_end = time.time()
-    if p.returncode != 0 or not out.exists():
-        raise RuntimeError(f"plain arm failed (exit code {p.returncode}):\n"
-                           f"{(p.stdout + p.stderr)[-3000:]}")
+    cmd, t_launch = plain_command(args, out), time.time()
+    rc, output, wall = H.run_captured(cmd, args.timeout, env=H.child_env(args.threads))
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"plain arm failed (exit code {rc}):\n{output}")
     res = json.loads(out.read_text())
-    res["command"] = cmd
-    res["startup_s"] = res["loop_start_time"] - t_launch
-    res["process_wall_s"] = t_end - t_launch
+    res.update(command=cmd, startup_s=res["loop_start_time"] - t_launch, process_wall_s=wall)
     return res
 
 
@@ -239,18 +203,11 @@ def run_plain_process(args: argparse.Namespace, out: Path) -> dict:
 def run_stack(args: argparse.Namespace, run_dir: Path) -> dict:
     from recover_hsdp.record import RecordError, read_run
 
-    cmd = stack_command(args, run_dir)
-    env = H.child_env()
-    t_launch = time.time()
-    try:
-        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=args.timeout)
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = None
-        out = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
-               else (e.stdout or "")) + f"\n[{PROG}] timed out after {args.timeout} s"
+    cmd, t_launch = stack_command(args, run_dir), time.time()
+    rc, out, _ = H.run_captured(cmd, args.timeout)
     t_end = time.time()
+    if rc == 124:
+        out += f"\n[{PROG}] timed out after {args.timeout} s"
     res: dict[str, Any] = {"command": cmd, "exit_code": rc, "run_dir": str(run_dir),
                            "cli_wall_s": t_end - t_launch, "output_tail": out[-3000:]}
     try:
@@ -284,16 +241,7 @@ def _plain(obj: Any) -> Any:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
 
 
-def _torch_version() -> str | None:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return None
-    return torch.__version__
-
-
-def _log(msg: str) -> None:
-    H.say("stack", msg)
+_log = functools.partial(H.say, "stack")
 
 
 def check_repeat(rep: dict, args: argparse.Namespace) -> list[str]:
@@ -320,40 +268,27 @@ def check_repeat(rep: dict, args: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.plain_worker:
-        # the plain arm's own process (see run_plain_process)
-        cfg, checked = resolved_config(args, Path(tempfile.gettempdir(), "bench_stack_plain"))
-        res = run_plain(cfg, checked, args.steps, args.threads)
-        Path(args.plain_worker).write_text(json.dumps(res))
+    if args.plain_worker or args.fsdp_ab_worker:  # an arm's own process (run_plain_process,
+        # run_attribution)
+        fn, out = ((run_plain, args.plain_worker) if args.plain_worker
+                   else (run_fsdp_ab, args.fsdp_ab_worker))
+        cfg, checked = resolved_config(args, Path(tempfile.gettempdir(), "bench_stack_worker"))
+        Path(out).write_text(json.dumps(fn(cfg, checked, args.steps, args.threads)))
         return 0
-    if args.fsdp_ab_worker:
-        cfg, checked = resolved_config(args, Path(tempfile.gettempdir(), "bench_stack_ab"))
-        res = run_fsdp_ab(cfg, checked, args.steps, args.threads)
-        Path(args.fsdp_ab_worker).write_text(json.dumps(res))
-        return 0
-    t_start = time.perf_counter()
-    given_work = args.work_dir is not None
-    work = Path(args.work_dir).resolve() if given_work else Path(
-        tempfile.mkdtemp(prefix="bench_stack_"))
-    work.mkdir(parents=True, exist_ok=True)
     from recover_hsdp.config import TrainConfigError
 
-    try:
-        cfg, checked = resolved_config(args, work / "r0")
-    except TrainConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    result: dict[str, Any] = {
-        "bench": "stack", "argv": list(sys.argv[1:] if argv is None else argv),
-        "command": "python -m recover_hsdp.cli bench stack "
-                   + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "stack_command": shlex.join(["python", "-m", "recover_hsdp.cli", "train",
-                                     *train_overrides(args, "<dir>")]),
-        "args": vars(args), **H.machine(torch=_torch_version()),
-        "model": _plain(checked.model), "optim": _plain(checked.optim),
-    }
-    repeats, problems = [], []
-    try:
+    t_start = time.perf_counter()
+    with H.work_dir(args.work_dir, "bench_stack_", args.keep) as work:
+        try:
+            cfg, checked = resolved_config(args, work / "r0")
+        except TrainConfigError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        result = H.result("stack", argv, args, bench="stack", model=_plain(checked.model),
+                          optim=_plain(checked.optim), stack_command=shlex.join(
+                              ["python", "-m", "recover_hsdp.cli", "train",
+                               *train_overrides(args, "<dir>")]))
+        repeats, problems = [], []
         for i, order in enumerate(H.interleaved(("plain", "stack"), args.repeats)):
             rep: dict[str, Any] = {"index": i, "order": order, "load": {}}
             for arm in order:
@@ -374,16 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
         if args.attribute:
             result["attribution"] = run_attribution(args, work)
-    finally:
-        if not given_work and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    result["load_end"] = H.load()
-    result["problems"] = problems
-    result["repeats"] = repeats
-    result["work_dir"] = str(work) if (given_work or args.keep) else None
-    result["wall_s"] = time.perf_counter() - t_start
-    tps = repeats[0]["plain"]["tokens_per_step"]
-    result["summary"] = summarize(repeats, args.skip, tps)
+    result.update(load_end=H.load(), problems=problems, repeats=repeats,
+                  work_dir=str(work) if (args.work_dir or args.keep) else None,
+                  wall_s=time.perf_counter() - t_start)
+    result["summary"] = summarize(repeats, args.skip, repeats[0]["plain"]["tokens_per_step"])
     out = H.write_json(Path(args.out).absolute(), result)
     print(format_table(result))
     print(f"\nstack command: {result['stack_command']}")

@@ -44,21 +44,15 @@ def summarize(repeats: list[dict], skip: int, tokens_per_step: int) -> dict:
             row["summary_tokens_per_s"] = (st.get("summary") or {}).get("tokens_per_s")
         rows.append(row)
     out: dict[str, Any] = {"per_repeat": rows, "tokens_per_step": tokens_per_step}
-
-    def med(key):
-        v = [r[key] for r in rows if r.get(key) is not None]
-        return float(statistics.median(v)) if v else None
-
     for key in ("plain_step_s", "stack_step_s", "stack_period_s", "startup_s", "teardown_s",
                 "summary_tokens_per_s", "plain_startup_s", "stack_period_mean_s"):
-        out[key] = med(key)
+        out[key] = H.median(r.get(key) for r in rows)
     out["plain_tokens_per_s"] = tokens_per_s(tokens_per_step, out["plain_step_s"])
     out["stack_tokens_per_s"] = tokens_per_s(tokens_per_step, out["stack_step_s"])
     out["stack_period_tokens_per_s"] = tokens_per_s(tokens_per_step, out["stack_period_s"])
     ratios = [r["plain_step_s"] / r["stack_step_s"] for r in rows if r.get("stack_step_s")]
     pratios = [r["plain_step_s"] / r["stack_period_s"] for r in rows if r.get("stack_period_s")]
-    out["ratio"] = float(statistics.median(ratios)) if ratios else None
-    out["ratio_period"] = float(statistics.median(pratios)) if pratios else None
+    out["ratio"], out["ratio_period"] = H.median(ratios), H.median(pratios)
     out["ratio_range"] = [min(ratios), max(ratios)] if ratios else None
     # losses: from the first repeat (deterministic; the others are compared against it)
     pl, st = repeats[0]["plain"]["loss"], repeats[0]["stack"].get("loss") or []
@@ -111,10 +105,8 @@ def format_table(result: dict) -> str:
          _f(s["stack_period_tokens_per_s"], ",.0f"), _f(s["ratio_period"], ".2f"), "", "", ""],
     ]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    for row in [head] + rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    lines += [
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                        enumerate(zip(row, widths))).rstrip() for row in [head, *rows]] + [
         "",
         f"stack/plain tokens/s per repeat: "
         + ", ".join(_f(r["plain_step_s"] / r["stack_step_s"], ".2f") if r.get("stack_step_s")

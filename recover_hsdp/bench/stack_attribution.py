@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +17,32 @@ from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.harness import median_after
+
+def plain_step(model, opt, src, ids: Sequence[int], tpm: int, lr: float) -> tuple[float, float]:
+    """The plain arm's step: zero_grad, G = len(ids) x (forward, backward), grads / G, lr,
+    optimizer step. Returns (mean loss of the microbatches, microbatch-loop seconds)."""
+    import torch
+
+    from recover_hsdp.model import next_token_loss
+    from recover_hsdp.optim import set_lr
+
+    t = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = 0.0
+    for i in ids:
+        x, y = src.get(i)
+        l_ = next_token_loss(model(x), y, tokens_per_microbatch=tpm)
+        l_.backward()
+        loss += float(l_.detach())
+    tm = time.perf_counter() - t
+    with torch.no_grad():
+        for p_ in model.parameters():
+            if p_.grad is not None:
+                p_.grad.div_(len(ids))
+    set_lr(opt, lr)
+    opt.step()
+    return loss / len(ids), tm
+
 
 def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
     """ONE process, 1 gloo rank: the plain step vs the same step on the model wrapped exactly as
@@ -53,20 +78,9 @@ def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
 
         def step_plain(s: int) -> tuple[float, float, float]:
             t = time.perf_counter()
-            p_opt.zero_grad(set_to_none=True)
-            loss = 0.0
-            for m in range(G):
-                x, y = src.get(s * G + m)
-                l_ = next_token_loss(plain(x), y, tokens_per_microbatch=tpm)
-                l_.backward()
-                loss += float(l_.detach())
-            tm = time.perf_counter()
-            with torch.no_grad():
-                for p_ in plain.parameters():
-                    p_.grad.div_(G)
-            set_lr(p_opt, lr_at(s, checked.optim))
-            p_opt.step()
-            return time.perf_counter() - t, tm - t, loss / G
+            loss, tm = plain_step(plain, p_opt, src, [s * G + m for m in range(G)], tpm,
+                                  lr_at(s, checked.optim))
+            return time.perf_counter() - t, tm, loss
 
         def step_fsdp(s: int) -> tuple[float, float, float]:
             t = time.perf_counter()
@@ -86,8 +100,7 @@ def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
             return time.perf_counter() - t, tm - t, loss / G
 
         res: dict[str, list] = {"plain": [], "fsdp": []}
-        for s in range(steps):
-            order = ("plain", "fsdp") if s % 2 == 0 else ("fsdp", "plain")
+        for s, order in enumerate(H.interleaved(("plain", "fsdp"), steps)):
             for arm in order:
                 res[arm].append((step_plain if arm == "plain" else step_fsdp)(s))
         return {arm: {"step_s": [r[0] for r in v], "microbatches_s": [r[1] for r in v],
@@ -100,24 +113,17 @@ def run_fsdp_ab(cfg, checked, steps: int, threads: int) -> dict:
 
 PROFILE_ENV = "RECOVER_HSDP_BENCH_STACK_PROFILE"
 # (label, class path, method): timed per call inside the profiled stack run
+_ORCH = "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator"
 PROFILED = [
     ("train_step", "recover_hsdp.hsdp.manager:HSDPULFMTrainingManager", "train_step"),
     ("microbatches (FSDP fwd+bwd)", "recover_hsdp.hsdp.fsdp_hybrid:MicrobatchAccumulator",
      "microbatch"),
-    ("deferred reduce", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "fire_deferred_allreduces"),
-    ("consensus", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator", "consensus"),
+    ("deferred reduce", _ORCH, "fire_deferred_allreduces"),
+    ("consensus", _ORCH, "consensus"),
     ("optimizer step", "torch.optim:AdamW", "step"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "begin_iteration"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "wait_restore_before_backward"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "note_microbatch"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "enqueue_bucket"),
-    ("other protocol", "recover_hsdp.recovery.orchestrator:StepTxnOrchestrator",
-     "after_successful_commit"),
+    *[("other protocol", _ORCH, m) for m in ("begin_iteration", "wait_restore_before_backward",
+                                             "note_microbatch", "enqueue_bucket",
+                                             "after_successful_commit")],
     ("record line (fsync)", "recover_hsdp.record.run:RunRecorder", "commit"),
     ("parameter snapshots", "recover_hsdp.record.run:RunRecorder", "save_params"),
 ]
@@ -200,9 +206,8 @@ def run_attribution(args: argparse.Namespace, work: Path) -> dict:
     cmd = plain_command(args, out)
     cmd[cmd.index("--plain-worker")] = "--fsdp-ab-worker"
     H.say("stack", "attribution: plain vs FSDP-wrapped step, one process, ABBA")
-    p = subprocess.run(cmd, cwd=H.REPO, env=H.child_env(args.threads), capture_output=True,
-                       text=True, timeout=args.timeout)
-    if p.returncode == 0 and out.exists():
+    rc, output, _ = H.run_captured(cmd, args.timeout, env=H.child_env(args.threads))
+    if rc == 0 and out.exists():
         ab = json.loads(out.read_text())
         pl = median_after(ab["plain"]["step_s"], args.skip)
         fs = median_after(ab["fsdp"]["step_s"], args.skip)
@@ -217,23 +222,21 @@ def run_attribution(args: argparse.Namespace, work: Path) -> dict:
                                                                ab["fsdp"]["loss"])),
             "raw": ab}
     else:
-        res["fsdp_ab_error"] = (p.stdout + p.stderr)[-3000:]
+        res["fsdp_ab_error"] = output
     res["load_mid"] = H.load()
     prof = work / "profile.json"
     run_dir = work / "profiled"
     H.say("stack", "attribution: one profiled stack run")
-    env = H.child_env()
-    env["RECOVER_HSDP_WORKER_FN"] = "recover_hsdp.bench.stack_attribution:profiled_worker"
-    env[PROFILE_ENV] = str(prof)
-    p = subprocess.run(stack_command(args, run_dir), cwd=H.REPO, env=env, capture_output=True,
-                       text=True, timeout=args.timeout)
-    if p.returncode == 0 and prof.exists():
+    env = H.child_env(RECOVER_HSDP_WORKER_FN=f"{__name__}:profiled_worker",
+                      **{PROFILE_ENV: str(prof)})
+    rc, output, _ = H.run_captured(stack_command(args, run_dir), args.timeout, env=env)
+    if rc == 0 and prof.exists():
         res["profile_ms"] = {
             k: {m: None if x is None else x * 1e3 for m, x in v.items()}
             for k, v in profile_table(json.loads(prof.read_text()), args.steps,
                                       args.skip).items()}
     else:
-        res["profile_error"] = (p.stdout + p.stderr)[-3000:]
+        res["profile_error"] = output
     res["load_after"] = H.load()
     return res
 

@@ -1,4 +1,4 @@
-"""The bench harness's child-process runner (`harness.run_logged`, used by `bench gpu` and
+"""The bench harness: its child-process runner (`harness.run_logged`, used by `bench gpu` and
 `bench paper`): the log starts with the command, the exit code comes back, and a child past its
 timeout is killed with its whole process group (exit code 124)."""
 from __future__ import annotations
@@ -43,3 +43,34 @@ def test_run_logged_kills_the_whole_group_at_the_timeout(tmp_path):
     while not _gone(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(grandchild), "the grandchild outlived the timeout (group not killed)"
+
+
+def test_run_captured_keeps_the_output_tail_not_the_command_and_times_out():
+    rc, out, wall = H.run_captured([sys.executable, "-c", "print('x' * 50 + 'END'); exit(2)"],
+                                   60, keep=10)
+    assert rc == 2 and out == "xxxxxxEND\n" and 0 < wall < 60
+    rc, _, _ = H.run_captured([sys.executable, "-c", "import time; time.sleep(60)"], 1.0)
+    assert rc == 124
+
+
+def test_work_dir_removes_only_its_own_temporary_directory(tmp_path):
+    with H.work_dir(None, "bench_test_") as tmp:
+        (tmp / "f").write_text("x")
+    assert not tmp.exists()
+    with H.work_dir(None, "bench_test_", keep=True) as kept:
+        pass
+    assert kept.is_dir()
+    kept.rmdir()
+    with H.work_dir(str(tmp_path / "given"), "bench_test_") as given:
+        pass
+    assert given.is_dir()
+
+
+def test_options_take_their_type_from_the_default_and_false_makes_a_flag():
+    p = H.parser("t", None, out="t.json", n=3, rate=(0.5, "help"), name="a",
+                 ks=([1], None, H.int_list), flag=(False, "a flag"))
+    a = p.parse_args(["--n", "4", "--rate", "2", "--ks", "2,3", "--flag"])
+    assert (a.n, a.rate, a.name, a.ks, a.flag, a.out) == (4, 2.0, "a", [2, 3], True,
+                                                          str(H.RESULTS_DIR / "t.json"))
+    assert p.parse_args([]).flag is False
+    assert H.verdict(True) == "MET" and H.verdict(False) == "NOT MET" and H.verdict(None) == "-"

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from recover_hsdp import bench
+from recover_hsdp.bench import harness as H
 from recover_hsdp.bench import hsdp as bh
 
 
@@ -120,8 +121,8 @@ def test_table_formats_every_section():
         "command": "recover-hsdp bench hsdp", "host": "h", "cpus": 2, "torch": "2.13",
         "load_start": [1.0, 1.5, 2.0], "load_end": [1.1, 1.6, 2.1], "wall_s": 100.0,
         "overhead": [ov],
-        "trainer": {"config": {"G": 2}, "wall_s": bh.spread([0.2]),
-                    "commit_interval_s": bh.spread([0.21]), "ratio_wall": 1.0,
+        "trainer": {"config": {"G": 2}, "wall_s": H.spread([0.2]),
+                    "commit_interval_s": H.spread([0.21]), "ratio_wall": 1.0,
                     "ratio_commit": 1.05, "load": [1, 1, 1]},
         "recovery": {"boundary (W=4 G=1)": bh.summarize_kills(rows, boundary=True),
                      "nonboundary (W=4 G=1)": bh.summarize_kills([], boundary=False)},

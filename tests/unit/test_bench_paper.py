@@ -22,8 +22,8 @@ def test_trajectory_kills_spread_and_leave_two_replicas():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--intervals", "3"], "even integer"),
-    (["--intervals", "2,x"], "comma-separated"),
-    (["--exp", "nope"], "unknown experiment 'nope'"),
+    (["--intervals", "2,x"], "comma list of integers"),
+    (["--exp", "nope"], "unknown experiment(s) nope"),
     (["--steps", "10"], "too short"),
     (["--window", "0"], "--window"),
     (["--ref-seeds", "1"], "--ref-seeds"),

@@ -7,6 +7,8 @@ import pytest
 
 from recover_hsdp.peers.probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
 from recover_hsdp.bench import peers as bp
+from recover_hsdp.bench import peers_analysis as pa
+from recover_hsdp.bench import peers_runs as pr
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4, 5])
@@ -51,7 +53,7 @@ def test_parse_kills_defaults_and_explicit_replicas():
     assert bp.parse_kills("20:1,5:3", 4, 30) == [{"step": 5, "replica": 3},
                                                 {"step": 20, "replica": 1}]
     assert bp.parse_kills("none", 3, 10) == [] and bp.parse_kills("", 3, 10) == []
-    assert bp.schedule_entries([{"step": 4, "replica": 1}]) == [
+    assert pr.schedule_entries([{"step": 4, "replica": 1}]) == [
         {"step": 4, "replica": 1, "local_rank": 0, "location": "reduce", "bucket": 1}]
 
 
@@ -64,8 +66,8 @@ def test_parse_kills_rejects(text, msg):
 
 
 def test_run_length():
-    assert bp.run_length([6, 6, 6, 4, 6]) == "6x3 4 6"
-    assert bp.run_length([]) == ""
+    assert pa.run_length([6, 6, 6, 4, 6]) == "6x3 4 6"
+    assert pa.run_length([]) == ""
 
 
 def test_collect_discards_dedups_step_and_quorum(tmp_path):
@@ -75,7 +77,7 @@ def test_collect_discards_dedups_step_and_quorum(tmp_path):
         json.dumps({"step": 4, "time": 10.2, "quorum_id": 1}) + "\n"
         + json.dumps({"step": 4, "time": 11.0, "quorum_id": 2}) + "\n")
     (d / "rank1.jsonl").write_text(json.dumps({"step": 4, "time": 10.1, "quorum_id": 1}) + "\n")
-    got = bp.collect_discards(tmp_path)
+    got = pr.collect_discards(tmp_path)
     assert got == [{"step": 4, "time": 10.1, "quorum_id": 1},
                    {"step": 4, "time": 11.0, "quorum_id": 2}]
 
@@ -84,7 +86,7 @@ def _row(name, interval, k2c=None, disc=0, divs=(6, 6), B=6):
     return {"name": name, "mode": name, "steps_committed": len(divs), "step_interval_s": interval,
             "kills": [] if k2c is None else [{"kill_to_commit_s": k2c}],
             "kill_to_commit_s": k2c, "discarded_steps": disc, "divisors": list(divs),
-            "divisor_rle": bp.run_length(list(divs)), "divisor_always_B": all(d == B for d in divs),
+            "divisor_rle": pa.run_length(list(divs)), "divisor_always_B": all(d == B for d in divs),
             "gaps": [], "tokens_per_process_hour": 1e6,
             "loss_vs_ref": {"mean_abs": 0.01, "max_abs": 0.02, "final": 0.005,
                             "final_loss": 6.1, "ref_final_loss": 6.095}}
@@ -95,17 +97,17 @@ def test_verdicts_and_table():
             "ours_nofail": _row("ours_nofail", 0.11),
             "torchft_dynamic": _row("torchft_dynamic", 0.1, k2c=0.3, disc=1, divs=(6, 4)),
             "ours_kills": _row("ours_kills", 0.11, k2c=0.05)}
-    v = bp.verdicts(rows)
+    v = pa.verdicts(rows)
     assert v["recovery"]["factor"] == pytest.approx(6.0) and v["recovery"]["met"]
     assert v["ours_no_discard_constant_B"]["met"]
     assert v["overhead"]["ours_ratio"] == pytest.approx(1.1) and v["overhead"]["met"]
     assert v["loss_torchft_dynamic"]["mean_abs"] == 0.01
-    text = bp.format_table({"runs": rows, "verdicts": v, "replicas": 3, "G": 2,
+    text = pa.format_table({"runs": rows, "verdicts": v, "replicas": 3, "G": 2,
                             "kills": [{"step": 1, "replica": 2}], "relaunch_delay": 1.0})
     assert "torchft_dynamic" in text and "6 4" in text and "1.40" in text
     assert "6.0x" in text and "MET" in text and "NOT MET" not in text
     rows["ours_kills"]["kill_to_commit_s"] = 0.2
-    assert not bp.verdicts(rows)["recovery"]["met"]
+    assert not pa.verdicts(rows)["recovery"]["met"]
 
 
 def test_missing_torchft_is_one_line_and_exit_3(monkeypatch, capsys):

@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 
 from recover_hsdp import bench
+from recover_hsdp.bench import harness as H
 from recover_hsdp.bench import stack as bs
+from recover_hsdp.bench import stack_analysis as sa
+from recover_hsdp.bench import stack_attribution as sat
 
 
 def test_registered_with_bench():
@@ -67,11 +70,11 @@ def test_overrides_are_valid_train_config():
 
 
 def test_small_statistics():
-    assert bs.median_after([9, 1, 2, 3], 1) == 2
+    assert H.median_after([9, 1, 2, 3], 1) == 2
     with pytest.raises(ValueError):
-        bs.median_after([1, 2], 2)
-    assert bs.intervals([10.0, 10.5, 11.5]) == [0.5, 1.0]
-    assert bs.tokens_per_s(1024, 0.5) == 2048 and bs.tokens_per_s(1024, None) is None
+        H.median_after([1, 2], 2)
+    assert sa.intervals([10.0, 10.5, 11.5]) == [0.5, 1.0]
+    assert sa.tokens_per_s(1024, 0.5) == 2048 and sa.tokens_per_s(1024, None) is None
 
 
 def _fake_repeat(i, plain_s, stack_s, *, n=6, loss_shift=0.0):
@@ -158,7 +161,7 @@ def test_profile_table_medians_means_and_the_rest():
            "consensus": {"1": 0.001, "2": 0.001, "3": 0.001},
            "other protocol": {"1": 0.001, "2": 0.002, "3": 0.003},
            "parameter snapshots": {"-1": 1.0, "3": 0.030}}
-    t = bs.profile_table(raw, steps=4, skip=1)
+    t = sat.profile_table(raw, steps=4, skip=1)
     assert t["train_step"]["median"] == pytest.approx(0.110)
     assert t["parameter snapshots"] == {"median": 0.0, "mean": pytest.approx(0.010)}
     # rest = train_step - (microbatches + consensus + other protocol): 0.018, 0.027, 0.021
@@ -173,9 +176,9 @@ def test_format_attribution():
                        "per_step_ratio": 0.81, "loss_max_abs_diff": 0.0},
            "profile_ms": {"train_step": {"median": 125.0, "mean": 130.0},
                           "consensus": {"median": 0.2, "mean": 0.25}}}
-    text = bs.format_attribution(att)
+    text = sat.format_attribution(att)
     assert "plain 100.0 ms vs FSDP-wrapped 125.0 ms" in text and "plain/FSDP 0.80" in text
     rows = {l.split()[0]: l.split()[1:] for l in text.splitlines()[4:]}
     assert rows["train_step"] == ["125.00", "130.00"] and rows["consensus"] == ["0.20", "0.25"]
-    assert "FSDP A/B failed: boom" in bs.format_attribution(
+    assert "FSDP A/B failed: boom" in sat.format_attribution(
         {"fsdp_ab_error": "x\nboom", "load_before": [0, 0, 0]})
