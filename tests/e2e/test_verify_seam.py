@@ -25,9 +25,10 @@ pytestmark = [pytest.mark.mpi]
 ALLOW = {"RECOVER_HSDP_ALLOW_TEST_FAULT": "1"}
 
 
-def _run(tmp: Path, *, S: int, steps: int, optim: dict, faults: str) -> Path:
+def _run(tmp: Path, *, S: int, steps: int, optim: dict, faults: str, mp: str = "fp32") -> Path:
     cfg = _cfg(tmp, W=2, S=S, G=2, steps=steps)
     cfg["optim"].update(optim)
+    cfg["parallel"]["mixed_precision"] = mp
     out = run_training(cfg, timeout=240, env={"RECOVER_HSDP_TEST_FAULT": faults, **ALLOW})
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
@@ -64,3 +65,27 @@ def test_adamw_four_faults_in_one_run_each_rejected_at_its_step(tmp_path):
     by_step = {r.step: r for r in res.reports}
     for s in (0, 5):
         assert by_step[s].ok and by_step[s].strict_ratio < 1, (s, by_step[s].strict_ratio)
+
+
+@pytest.mark.timeout(300)
+def test_bf16_run_verified_on_cpu_and_a_fault_still_fails(tmp_path):
+    """parallel.mixed_precision=bf16 on CPU/gloo: verify replays each microbatch in bf16
+    (verify/bf16.py) and judges with the fp32 tolerances: the honest steps agree to ~1e-9; the
+    same run judged as fp32 fails at step 0; an extra microbatch at step 2 fails at step 2."""
+    import recover_hsdp.verify.bf16 as bf16
+
+    run_dir = _run(tmp_path, S=1, steps=4, optim={"name": "adamw", "betas": [0.0, 0.0]},
+                   faults="extra_mb@2:1", mp="bf16")
+    res = verify_run(run_dir, keep_going=True)
+    assert res.failed_steps == [2], (res.failed_steps, res.message)
+    assert any("bf16 mixed-precision run" in n for n in res.notes), res.notes
+    for r in res.reports:
+        if r.step != 2:
+            assert r.ok and r.max_abs < 1e-6 and r.strict_ratio < 1, (r.step, r.max_abs)
+    real = bf16.setup
+    try:
+        bf16.setup = lambda *a, **k: None       # the fp32 replay of a bf16 run cannot pass
+        plain = verify_run(run_dir, until=0)
+    finally:
+        bf16.setup = real
+    assert plain.exit_code == 1 and plain.failed_step == 0, plain.message
