@@ -453,7 +453,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     comparator = _Comparator(spec, rel_floor, all_copies)
     from recover_hsdp.verify.bf16 import setup as bf16_setup
 
-    bf16 = bf16_setup(record.meta, model, params, note)   # None unless a bf16 run
+    bf16 = bf16_setup(record.meta, model, params, note, spec.shard_size, spec.mbs)  # or None
     strict_chk = None
     if strict:
         from recover_hsdp.verify.strict import C_STRICT, StrictCheck
@@ -461,10 +461,6 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         strict_chk = StrictCheck(params, [n for n, p in model.named_parameters()
                                           if p.requires_grad], spec.optim_cfg,
                                  C_STRICT if c_strict is None else c_strict)
-        if bf16 is not None and c_strict is None:
-            from recover_hsdp.verify.bf16 import strict_c
-
-            strict_chk.c = strict_c(strict_chk.c, spec.shard_size)
     covered = {slot.fqn for fl in spec.layout for slot in fl.params}
     uncovered = [n for n, _ in model.named_parameters() if n not in covered]
     if uncovered:
@@ -644,7 +640,7 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
                     x, y = get(r, mb_id)
                     if bf16 is not None:
                         gs = bf16.grads(x, y, lambda o, t: next_token_loss(
-                            o, t, tokens_per_microbatch=norm))
+                            o, t, tokens_per_microbatch=spec.mbs * spec.seq_len))
                     else:
                         loss = next_token_loss(model(x), y, tokens_per_microbatch=norm)
                         gs = torch.autograd.grad(loss, params, allow_unused=True)

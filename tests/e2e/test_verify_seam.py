@@ -70,11 +70,12 @@ def test_adamw_four_faults_in_one_run_each_rejected_at_its_step(tmp_path):
 @pytest.mark.timeout(300)
 def test_bf16_run_verified_on_cpu_and_a_fault_still_fails(tmp_path):
     """parallel.mixed_precision=bf16 on CPU/gloo: verify replays each microbatch in bf16
-    (verify/bf16.py) and judges with the fp32 tolerances: the honest steps agree to ~1e-9; the
+    as the S=2 ranks do (row slices; verify/bf16.py) and judges with the fp32 tolerances: the
+    honest steps agree to ~1e-9; the
     same run judged as fp32 fails at step 0; an extra microbatch at step 2 fails at step 2."""
     import recover_hsdp.verify.bf16 as bf16
 
-    run_dir = _run(tmp_path, S=1, steps=4, optim={"name": "adamw", "betas": [0.0, 0.0]},
+    run_dir = _run(tmp_path, S=2, steps=4, optim={"name": "adamw", "betas": [0.0, 0.0]},
                    faults="extra_mb@2:1", mp="bf16")
     res = verify_run(run_dir, keep_going=True)
     assert res.failed_steps == [2], (res.failed_steps, res.message)
