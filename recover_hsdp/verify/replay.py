@@ -162,6 +162,9 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         twin = (twin_model, build_optimizer(twin_model.named_parameters(), spec.optim_cfg),
                 [p for p in twin_model.parameters() if p.requires_grad])
     comparator = _Comparator(spec, rel_floor, all_copies)
+    from recover_hsdp.verify.bf16 import setup as bf16_setup
+
+    bf16 = bf16_setup(record.meta, model, params, note, spec.shard_size, spec.mbs)  # or None
     strict_chk = None
     if strict:
         from recover_hsdp.verify.strict import C_STRICT, StrictCheck
@@ -225,7 +228,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         t1 = time.perf_counter()
         rec = steps[s]
         _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, s,
-                     strict=strict_chk)
+                     strict=strict_chk, bf16=bf16)
         lr = float(lr_at(s, spec.optim_cfg))
         if twin is not None:
             _replay_step(twin[0], twin[1], twin[2], rec, source, dev, spec, lr_at, set_lr, s,
@@ -313,7 +316,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
 
 
 def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, step,
-                 hsdp_order: bool = False, strict=None) -> None:
+                 hsdp_order: bool = False, strict=None, bf16=None) -> None:
     """One committed step: sum of the recorded microbatches' gradients / divisor, AdamW step.
 
     Replay order: replica-ascending, id order, each microbatch's S*mbs rows at once, accumulated
@@ -339,14 +342,21 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
     if strict is not None:
         strict.begin_step()
     with torch.enable_grad():
-        if not hsdp_order and strict is not None:
+        if not hsdp_order and (strict is not None or bf16 is not None):
             # per-microbatch gradients (for sum |g_i|), accumulated in .grad as backward() does
+            if bf16 is not None:
+                bf16.sync()     # bf16 mixed precision: the bf16 shadow computes (verify/bf16.py)
             for r in sorted(rec.contributions):
                 for mb_id in rec.contributions[r]:
                     x, y = get(r, mb_id)
-                    loss = next_token_loss(model(x), y, tokens_per_microbatch=norm)
-                    gs = torch.autograd.grad(loss, params, allow_unused=True)
-                    strict.add_microbatch(gs)
+                    if bf16 is not None:
+                        gs = bf16.grads(x, y, lambda o, t: next_token_loss(
+                            o, t, tokens_per_microbatch=spec.mbs * spec.seq_len))
+                    else:
+                        loss = next_token_loss(model(x), y, tokens_per_microbatch=norm)
+                        gs = torch.autograd.grad(loss, params, allow_unused=True)
+                    if strict is not None:
+                        strict.add_microbatch(gs)
                     for p, g in zip(params, gs):
                         if g is not None:
                             if p.grad is None:
