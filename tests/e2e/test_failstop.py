@@ -116,7 +116,10 @@ def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
                           f"parallel.replicas={W}", f"parallel.shard_size={S}",
                           f"run.steps={steps}", f"run.output_dir={out}", "run.hang_timeout_s=3",
-                          "run.heartbeat_s=0.5", *SMALL], cwd=tmp_path, env=e,
+                          "run.heartbeat_s=0.5",
+                          # 40 steps: snapshots every 10 keep the verify replay short
+                          *[a if not a.startswith("run.save_params_every=") else
+                            "run.save_params_every=10" for a in SMALL]], cwd=tmp_path, env=e,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     victim = rng.randrange(S, W * S)  # never the whole job; any replica but 0 for the check
     t_stop = None
