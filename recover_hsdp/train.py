@@ -349,7 +349,7 @@ def worker_main(path: str) -> int:
     The launcher validated everything else before mpirun started; the worker re-checks only what
     can differ from the launcher's view (the ranks actually launched), without importing torch.
     """
-    from recover_hsdp.faults.startup import mark_start
+    from recover_hsdp.faults.startup import mark_phase, mark_start
 
     mark_start()    # ranks/start.rank{g}.json: the launcher sees a death before the world forms
     from recover_hsdp.config import TrainConfigError, check_world, load_config
@@ -362,6 +362,7 @@ def worker_main(path: str) -> int:
         cfg = load_config(path)
         check_world(cfg, int(world) if world else None)
         fn = load_worker_fn(cfg)
+        mark_phase("imported")      # torch and the trainer are in: start-up progress
         from recover_hsdp.faults.seam import refusal
 
         if refusal():

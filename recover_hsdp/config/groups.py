@@ -141,7 +141,7 @@ class RunConfig:
     max_restarts: int = 3                  # automatic full-width relaunches of one launcher
     # deaths before the world forms (issue 12, faults/startup.py): relaunch up to start_retries
     start_retries: int = 1
-    startup_timeout_s: Optional[float] = None  # the world must form within; null: 65 s (derived)
+    startup_timeout_s: Optional[float] = None  # no start-up progress for: failed; null: 65 s
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))

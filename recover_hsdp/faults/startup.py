@@ -8,9 +8,15 @@ rank that dies there leaves the others blocked in the TCPStore rendezvous until 
   ``recover_hsdp.train --worker`` (:func:`mark_start`), before torch, MPI or the store;
 * the world has FORMED when every rank's heartbeat ``ranks/rank{g}.json`` exists (written once
   its shard groups and world communicator are built) or a step was committed;
+* each rank then rewrites that marker at every start-up phase it passes (:func:`mark_phase`:
+  ``imported`` torch and the trainer, ``joined`` the rendezvous, built its shard ``groups``,
+  ``wrapped`` the model): start-up PROGRESS the launcher can see;
 * :class:`StartupWatch` (polled by the launcher every 0.2 s) reports a start-up failure when,
-  before the world formed, a started rank on this host is dead (detected in < 1 s), or the world
-  has not formed within the start-up bound (a rank that died before its marker, a remote one).
+  before the world formed, a started rank on this host is dead (detected in < 1 s), or no rank
+  has made start-up progress for the start-up bound (a rank hung or dead before its marker, a
+  remote one). A loaded machine that is slow but advancing is never cut off: the bound counts
+  from the newest marker, and a start passes at most 5 phases, so a start that fails is judged
+  within 6 bounds of the launch (a hung one within one bound of its last progress).
 
 The launcher then stops the job and launches it again, up to ``run.start_retries`` times (a start
 is cheap and nothing was committed), then fails with one line. A rank that logged an error
@@ -74,6 +80,30 @@ def mark_start(run_dir: Optional[os.PathLike | str] = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: the start-up phases a rank marks after ``start`` (in order); see :func:`mark_phase`
+PHASES = ("imported", "joined", "groups", "wrapped")
+
+
+def mark_phase(phase: str, run_dir: Optional[os.PathLike | str] = None) -> None:
+    """In a rank: record that start-up reached ``phase`` (rewrites ranks/start.rank{g}.json,
+    keeping its start time): the launcher's :class:`StartupWatch` counts its bound from the
+    newest such mark. A no-op outside a launched run (no run dir or rank in the environment)
+    and after the world formed; never raises."""
+    run_dir = run_dir or os.environ.get(ENV_RUN_DIR)
+    g = _rank_env()
+    if not run_dir or g is None:
+        return
+    p = Path(run_dir) / RANKS_DIR / f"start.rank{g}.json"
+    try:
+        rec = json.loads(p.read_text())
+        rec["phase"], rec["phase_time"] = phase, time.time()
+        tmp = p.with_name(f".start.rank{g}.json.tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, p)
+    except (OSError, ValueError):
+        pass
+
+
 def startup_bound_s(store_timeout_s: float = STORE_TIMEOUT_S) -> float:
     """The default start-up bound: the store's own timeout plus the time to notice (the ranks
     give up at the store timeout; mpirun has started them all well before)."""
@@ -102,6 +132,10 @@ class StartupWatch:
         self.t0 = time.time() if now is None else now
         self.formed = False
         self.formed_after_s: Optional[float] = None
+        #: when this watch last saw start-up progress (a marker appear or change phase): the
+        #: launcher's clock only, so clock skew between hosts does not matter
+        self.last_progress = self.t0
+        self._seen: dict[str, str] = {}
         self._host = socket.gethostname()
 
     def _formed(self) -> bool:
@@ -123,18 +157,26 @@ class StartupWatch:
             self.formed, self.formed_after_s = True, now - self.t0
             return None
         d = self.run_dir / RANKS_DIR
+        phases: dict[str, int] = {}
         for p in sorted(d.glob("start.rank*.json")) if d.is_dir() else ():
             try:
                 m = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue
+            ph = str(m.get("phase", "start"))
+            if self._seen.get(p.name) != ph:
+                self._seen[p.name] = ph
+                self.last_progress = now
+            phases[ph] = phases.get(ph, 0) + 1
             if m.get("host") == self._host and not _alive(int(m["pid"])):
                 if (d / f"rank{int(m['rank'])}.json").exists():
                     continue          # it joined the world: a failure for ULFM, not start-up
                 return (f"rank {m['rank']} (pid {m['pid']}) died during start-up, before the "
                         f"world formed")
-        if now - self.t0 > self.bound_s:
-            started = len(list(d.glob("start.rank*.json"))) if d.is_dir() else 0
-            return (f"the world did not form within {self.bound_s:g} s (run.startup_timeout_s; "
-                    f"{started}/{self.world_size} ranks started)")
+        if now - self.last_progress > self.bound_s:
+            started = sum(phases.values())
+            where = ", ".join(f"{n} at {ph}" for ph, n in phases.items())
+            return (f"no start-up progress for {self.bound_s:g} s, the world did not form "
+                    f"(run.startup_timeout_s; {started}/{self.world_size} ranks started"
+                    + (f": {where}" if where else "") + ")")
         return None

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from recover_hsdp.faults import FailureInjector, failstop, replica_lost_exit
+from recover_hsdp.faults import FailureInjector, failstop, replica_lost_exit, startup
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
@@ -129,6 +129,7 @@ class HSDPULFMTrainingManager:
         self.shard_index = self.topo.shard_index
         self.device = device or fh.local_device()
         self.shard_pg = fh.new_shard_groups(self.topo, timeout_s=shard_timeout_s)
+        startup.mark_phase("groups")   # start-up progress (faults/startup.py)
         self.world = UlfmGroup.world()
         self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
         self.module = fh.wrap_hybrid_shard(
@@ -136,6 +137,7 @@ class HSDPULFMTrainingManager:
             topology=self.topo,
             mixed_precision=fh.bf16_mixed_precision() if self.mixed_precision == "bf16" else (
                 None if self.mixed_precision == "fp32" else mixed_precision))
+        startup.mark_phase("wrapped")
         self.grad_clip = float(grad_clip) if grad_clip else None
         self.max_skipped_steps = int(max_skipped_steps)
         self.skipped_in_a_row = 0

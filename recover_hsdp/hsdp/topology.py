@@ -226,6 +226,9 @@ def init_distributed_from_env(
     timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
+    from recover_hsdp.faults.startup import mark_phase
+
+    mark_phase("joined")        # start-up progress the launcher's StartupWatch sees
     return rank, world_size
 
 

@@ -1,5 +1,6 @@
 """Deaths before the world forms (recover_hsdp/faults/startup.py, issue 12): the launcher's
-StartupWatch sees a dead starting rank at once, a world that never forms after its bound, and
+StartupWatch sees a dead starting rank at once, a start that makes no progress for its bound
+(never a slow one that does), and
 nothing once the world formed; the test seam kills a rank on the first launch only."""
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from recover_hsdp.faults.startup import (ENV_STARTUP_FAULT, StartupWatch, clear_startup_state,
-                                         startup_bound_s)
+from recover_hsdp.faults.startup import (ENV_STARTUP_FAULT, PHASES, StartupWatch,
+                                         clear_startup_state, mark_phase, startup_bound_s)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,9 +63,37 @@ def test_world_that_never_forms_hits_the_bound(tmp_path):
     assert startup_bound_s() == 65.0                       # the ranks' store timeout + 5 s
     w = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
     _mark(tmp_path, 0, os.getpid())
-    assert w.poll(now=29.0) is None
-    assert w.poll(now=31.0) == ("the world did not form within 30 s (run.startup_timeout_s; "
-                                "1/2 ranks started)")
+    assert w.poll(now=29.0) is None                        # the marker appeared: progress at 29
+    assert w.poll(now=58.0) is None
+    assert w.poll(now=59.5) == ("no start-up progress for 30 s, the world did not form "
+                                "(run.startup_timeout_s; 1/2 ranks started: 1 at start)")
+
+
+def test_slow_start_that_makes_progress_is_not_cut_off(tmp_path, monkeypatch):
+    """A loaded machine (seen in the chaos soak at load average 17: 6 ranks needed > 65 s to form
+    the world) is judged on progress: each phase a rank marks restarts the bound."""
+    monkeypatch.setenv("RECOVER_HSDP_RUN_DIR", str(tmp_path))
+    w = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
+    for g in range(2):
+        _mark(tmp_path, g, os.getpid())
+    assert w.poll(now=1.0) is None
+    t = 1.0
+    for phase in PHASES:                                   # 25 s per phase: 101 s in all
+        t += 25.0
+        for g in range(2):
+            monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(g))
+            mark_phase(phase)
+            assert json.loads((tmp_path / "ranks" / f"start.rank{g}.json").read_text())[
+                "phase"] == phase
+        assert w.poll(now=t) is None, phase
+    # then one rank hangs before its heartbeat: judged one bound after the last progress
+    assert w.poll(now=t + 29.0) is None
+    assert w.poll(now=t + 31.0) == ("no start-up progress for 30 s, the world did not form "
+                                    "(run.startup_timeout_s; 2/2 ranks started: 2 at wrapped)")
+    for g in range(2):
+        _mark(tmp_path, g, os.getpid(), "rank{g}.json")    # the heartbeats: formed
+    w2 = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
+    assert w2.poll(now=500.0) is None and w2.formed
 
 
 def test_seam_kills_the_chosen_rank_on_the_first_launch_only(tmp_path):
