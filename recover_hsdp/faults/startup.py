@@ -2,7 +2,7 @@
 
 Until every rank has joined the rendezvous and built its groups, ULFM has nothing to recover: a
 rank that dies there leaves the others blocked in the TCPStore rendezvous until its timeout
-(60 s, ``topology.DEFAULT_STORE_TIMEOUT_S``), and the job is gone. The launcher watches instead:
+(120 s, ``topology.DEFAULT_STORE_TIMEOUT_S``), and the job is gone. The launcher watches instead:
 
 * each rank writes ``ranks/start.rank{g}.json`` (pid, host, time) first thing in
   ``recover_hsdp.train --worker`` (:func:`mark_start`), before torch, MPI or the store;
@@ -14,9 +14,12 @@ rank that dies there leaves the others blocked in the TCPStore rendezvous until 
 * :class:`StartupWatch` (polled by the launcher every 0.2 s) reports a start-up failure when,
   before the world formed, a started rank on this host is dead (detected in < 1 s), or no rank
   has made start-up progress for the start-up bound (a rank hung or dead before its marker, a
-  remote one). A loaded machine that is slow but advancing is never cut off: the bound counts
-  from the newest marker, and a start passes at most 5 phases, so a start that fails is judged
-  within 6 bounds of the launch (a hung one within one bound of its last progress).
+  remote one). Progress is a marker that appears or changes phase, or a local rank whose CPU
+  time grew (importing torch alone took over 65 s per rank at load average 23 on 2 cores). A
+  loaded machine that is slow but advancing is never cut off; a SIGSTOPped or blocked start is
+  judged one bound after the last progress. A rank that spins without advancing is bounded by
+  the ranks' own rendezvous timeout (``topology.DEFAULT_STORE_TIMEOUT_S``, 120 s): the others
+  log an error and fail-stop, which the watch sees as a dead rank.
 
 The launcher then stops the job and launches it again, up to ``run.start_retries`` times (a start
 is cheap and nothing was committed), then fails with one line. A rank that logged an error
@@ -41,8 +44,8 @@ from recover_hsdp.faults.failstop import ENV_RUN_DIR, ERRORS_DIR, RANKS_DIR, _al
 
 ENV_STARTUP_FAULT = "RECOVER_HSDP_STARTUP_FAULT"
 FAULT_DONE = "launcher/startup_fault.done"
-#: the ranks' own rendezvous bound (topology.DEFAULT_STORE_TIMEOUT_S), the watch's default
-#: bound is derived from it: a world that has not formed when the store would give up never will
+#: the watch's default no-progress bound is derived from this (60 s + 5 s). The ranks' own
+#: rendezvous timeout (topology.DEFAULT_STORE_TIMEOUT_S) is 120 s
 STORE_TIMEOUT_S = 60.0
 
 
@@ -104,9 +107,18 @@ def mark_phase(phase: str, run_dir: Optional[os.PathLike | str] = None) -> None:
         pass
 
 
+def _cpu_ticks(pid: int) -> Optional[int]:
+    """utime + stime of a local process in clock ticks (/proc/<pid>/stat), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def startup_bound_s(store_timeout_s: float = STORE_TIMEOUT_S) -> float:
-    """The default start-up bound: the store's own timeout plus the time to notice (the ranks
-    give up at the store timeout; mpirun has started them all well before)."""
+    """The default start-up bound (65 s): how long a start may go without progress."""
     return store_timeout_s + 5.0
 
 
@@ -136,6 +148,7 @@ class StartupWatch:
         #: launcher's clock only, so clock skew between hosts does not matter
         self.last_progress = self.t0
         self._seen: dict[str, str] = {}
+        self._cpu: dict[str, int] = {}
         self._host = socket.gethostname()
 
     def _formed(self) -> bool:
@@ -167,6 +180,14 @@ class StartupWatch:
             if self._seen.get(p.name) != ph:
                 self._seen[p.name] = ph
                 self.last_progress = now
+            if m.get("host") == self._host:
+                # a rank on this host that burns CPU is starting (importing torch can take a
+                # minute on a loaded machine), one that is stopped or blocked is not
+                cpu = _cpu_ticks(int(m["pid"]))
+                if cpu is not None and cpu > self._cpu.get(p.name, cpu):
+                    self.last_progress = now
+                if cpu is not None:
+                    self._cpu[p.name] = cpu
             phases[ph] = phases.get(ph, 0) + 1
             if m.get("host") == self._host and not _alive(int(m["pid"])):
                 if (d / f"rank{int(m['rank'])}.json").exists():

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from recover_hsdp.faults.startup import (ENV_STARTUP_FAULT, PHASES, StartupWatch,
                                          clear_startup_state, mark_phase, startup_bound_s)
@@ -21,6 +25,15 @@ def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     return p.pid
+
+
+@pytest.fixture
+def idle_pid():
+    """An alive local process that uses no CPU (a rank blocked in the rendezvous)."""
+    p = subprocess.Popen(["sleep", "300"])
+    yield p.pid
+    p.kill()
+    p.wait()
 
 
 def _mark(run_dir: Path, g: int, pid: int, name: str = "start.rank{g}.json") -> None:
@@ -59,23 +72,23 @@ def test_world_formed_ends_the_watch(tmp_path):
     assert list((tmp_path / "ranks").iterdir()) == []
 
 
-def test_world_that_never_forms_hits_the_bound(tmp_path):
-    assert startup_bound_s() == 65.0                       # the ranks' store timeout + 5 s
+def test_world_that_never_forms_hits_the_bound(tmp_path, idle_pid):
+    assert startup_bound_s() == 65.0
     w = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
-    _mark(tmp_path, 0, os.getpid())
+    _mark(tmp_path, 0, idle_pid)
     assert w.poll(now=29.0) is None                        # the marker appeared: progress at 29
     assert w.poll(now=58.0) is None
     assert w.poll(now=59.5) == ("no start-up progress for 30 s, the world did not form "
                                 "(run.startup_timeout_s; 1/2 ranks started: 1 at start)")
 
 
-def test_slow_start_that_makes_progress_is_not_cut_off(tmp_path, monkeypatch):
+def test_slow_start_that_makes_progress_is_not_cut_off(tmp_path, monkeypatch, idle_pid):
     """A loaded machine (seen in the chaos soak at load average 17: 6 ranks needed > 65 s to form
     the world) is judged on progress: each phase a rank marks restarts the bound."""
     monkeypatch.setenv("RECOVER_HSDP_RUN_DIR", str(tmp_path))
     w = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
     for g in range(2):
-        _mark(tmp_path, g, os.getpid())
+        _mark(tmp_path, g, idle_pid)
     assert w.poll(now=1.0) is None
     t = 1.0
     for phase in PHASES:                                   # 25 s per phase: 101 s in all
@@ -94,6 +107,31 @@ def test_slow_start_that_makes_progress_is_not_cut_off(tmp_path, monkeypatch):
         _mark(tmp_path, g, os.getpid(), "rank{g}.json")    # the heartbeats: formed
     w2 = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
     assert w2.poll(now=500.0) is None and w2.formed
+
+
+def test_a_rank_burning_cpu_is_progress_a_stopped_one_is_not(tmp_path):
+    """Importing torch took > 65 s per rank at load average 23 (no marker changes meanwhile):
+    a local rank whose CPU time grows is starting; SIGSTOPped, it is judged one bound later."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        w = StartupWatch(tmp_path, 2, bound_s=30, now=0.0)
+        _mark(tmp_path, 0, busy.pid)
+        assert w.poll(now=1.0) is None
+        t = 1.0
+        for _ in range(4):                                 # 4 x 20 s of "import", no marker
+            time.sleep(0.5)                                # the busy rank burns CPU meanwhile
+            t += 20.0
+            assert w.poll(now=t) is None
+        os.kill(busy.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        assert w.poll(now=t + 1.0) is None                 # last CPU growth seen up to here
+        time.sleep(0.3)
+        assert w.poll(now=t + 20.0) is None
+        why = w.poll(now=t + 32.0)
+        assert why is not None and why.startswith("no start-up progress for 30 s"), why
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_seam_kills_the_chosen_rank_on_the_first_launch_only(tmp_path):
