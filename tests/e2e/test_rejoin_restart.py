@@ -1,8 +1,9 @@
 """The rejoin policy end to end (issue 15, docs/rejoin.md "The policy"): `recover-hsdp train
 run.rejoin=true` as a user runs it, real SIGKILLs under `mpirun --with-ft ulfm`.
 
-* W=3, no standby: replica 1 killed at step 3; the ranks checkpoint before step 4 and leave; the
-  launcher relaunches at W=3 after the back-off; steps 4-5 run on three replicas again.
+* W=3, no standby, run.max_rejoins=1: replica 1 killed at step 3; the ranks checkpoint before
+  step 4 and leave; the launcher relaunches at W=3 after the back-off; step 4 runs on three
+  replicas again. Replica 0 killed at step 5: no rejoin left, the run goes on degraded (W=2).
 * W=3 + 1 standby: the first kill (step 2) is absorbed in place (the standby takes slot 1 before
   step 3); the second (step 4) finds no standby left: checkpoint, relaunch at W=3 + 1.
 
@@ -90,14 +91,19 @@ def _full_width_from(rec, first: int) -> None:
         assert st.layout["g"] == 2, (s, st.layout)
 
 
-def test_rejoin_relaunches_a_lost_replica_at_full_width(tmp_path):
-    rec, starts, text = _train_and_check(tmp_path, 6, _kills((3, 1)))
-    assert "rejoin 1/3 at full width (W=3, back-off 0.5 s)" in text, text[-3000:]
+def test_rejoin_relaunches_a_lost_replica_at_full_width_then_goes_on_degraded(tmp_path):
+    rec, starts, text = _train_and_check(tmp_path, 7, _kills((3, 1), (5, 0)),
+                                         "run.max_rejoins=1")
+    assert "rejoin 1/1 at full width (W=3, back-off 0.5 s)" in text, text[-3000:]
     assert [f["replicas"] for f in rec.steps[3].failures] == [[1]]
     assert rec.steps[3].alive == [0, 2]
     # the relaunch resumes at the step after the last commit: nothing lost, nothing replayed
-    assert _rejoins(starts) == [(4, 3, 0, "rejoin 1/3")]
-    _full_width_from(rec, 4)
+    assert _rejoins(starts) == [(4, 3, 0, "rejoin 1/1")]
+    assert rec.steps[4].alive == [0, 1, 2] and sorted(rec.steps[4].contributions) == [0, 1, 2]
+    assert rec.steps[4].layout["g"] == 2
+    # run.max_rejoins used up: the second loss is absorbed in place and the run goes on degraded
+    assert [f["replicas"] for f in rec.steps[5].failures] == [[0]]
+    assert rec.steps[6].alive == [1, 2] and rec.steps[6].layout["g"] == 3
 
 
 def test_standby_first_then_the_relaunch(tmp_path):

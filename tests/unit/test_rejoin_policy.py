@@ -150,3 +150,14 @@ def test_relaunch_due_only_when_no_standby_is_left_and_the_launcher_counts_rejoi
     assert wants_supervisor(cfg) and [_rejoin_left(cfg, n) for n in range(4)] == [
         True, True, False, False]
     assert not _rejoin_left(resolved(), 0) and not wants_supervisor(resolved())
+
+
+def test_a_resume_with_standbys_keeps_the_first_width():
+    from recover_hsdp.resume import check_resume
+
+    cfg = resolved("parallel.replicas=2", "parallel.grad_accum=3", "parallel.standby=1")
+    why = check_resume(cfg, {"w_init": 3, "B": 6}, Path("ck/step_000004"))
+    assert why == ("cannot resume from ck/step_000004 with parallel.standby(1): a run with "
+                   "standbys resumes at its first width (parallel.replicas=3, got 2)")
+    assert check_resume(resolved("parallel.replicas=3", "parallel.grad_accum=2",
+                                 "parallel.standby=1"), {"w_init": 3, "B": 6}, Path("x")) is None
