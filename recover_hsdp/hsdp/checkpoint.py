@@ -412,7 +412,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
             why, self.exit_reason = (f"{n}/{W} replicas alive, no standby left: checkpoint at "
                                      f"step {mgr.step}, relaunch at full width (run.rejoin)"), \
                 "rejoin"
-        elif self.min_replicas and n < self.min_replicas:
+        elif self.min_replicas and n < self.min_replicas and not (mgr.standby and mgr.cross.pool):
             why, self.exit_reason = (f"{n} replicas alive < run.min_replicas({self.min_replicas})"
                                      f": checkpoint at step {mgr.step}, relaunch at full width"), \
                 "min_replicas"
