@@ -367,6 +367,11 @@ def run_resilient(job) -> JobResult:
                       f"and fewer than {cfg.parallel.replicas} replicas alive: {reason} from "
                       f"{resume[0]}", flush=True)
                 time.sleep(wait)
+                if "target" in stop:    # a stop request during the back-off: it is saved
+                    res.status, res.exit_code = "preempted", EXIT_PREEMPTED
+                    res.note = (f"stopped on request during the rejoin back-off; checkpoint "
+                                f"{resume[0]}: resume with run.resume=true")
+                    break
                 continue
             if restarts >= int(cfg.run.max_restarts) or resume is None:
                 res.status = "incomplete" if committed else "failed"
