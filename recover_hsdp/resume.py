@@ -7,6 +7,12 @@ mpirun) ends:
     every step committed                  -> done (exit 0)
     a stop request was served             -> exit 4 (EXIT_PREEMPTED): SIGTERM / SIGUSR1 / SIGINT
        (the launcher wrote checkpoints/STOP, the ranks saved at that step and left cleanly)
+    the ranks left for a rejoin (run.rejoin: fewer than W alive, no standby left; their
+       checkpoint's state.json says exit=rejoin)
+                                          -> after run.rejoin_backoff_s * 2**(n-1), relaunch at
+                                             FULL width (W + K standbys) from it, up to
+                                             run.max_rejoins times; the last segment is told
+                                             "no rejoin left" and goes on degraded
     otherwise (all replicas lost, alive < run.min_replicas, a crash)
                                           -> relaunch at FULL width (this job's shape) from the
                                              newest complete checkpoint, up to run.max_restarts
@@ -39,7 +45,8 @@ def wants_supervisor(cfg) -> bool:
     r = cfg.run
     return baseline_name(cfg) == "none" and (int(r.get("ckpt_interval", 0) or 0) > 0
                                              or bool(r.get("resume", False))
-                                             or int(r.get("min_replicas", 0) or 0) > 0)
+                                             or int(r.get("min_replicas", 0) or 0) > 0
+                                             or bool(r.get("rejoin", False)))
 
 
 def _plain(x: Any) -> Any:
@@ -54,6 +61,10 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
     W, S, G = int(par.replicas), int(par.shard_size), int(par.grad_accum)
     mbs, L = int(par.micro_batch_size), int(par.seq_len)
     B = W * G
+    K = int(par.get("standby") or 0)
+    if K and W != int(st.get("w_init", W)):
+        return (f"cannot resume from {path} with parallel.standby({K}): a run with standbys "
+                f"resumes at its first width (parallel.replicas={st['w_init']}, got {W})")
     if B != int(st["B"]):
         return (f"cannot resume from {path}: it was saved with B={st['B']} microbatches per step "
                 f"(W_init x G_init), this config has parallel.replicas({W}) x "
@@ -190,11 +201,18 @@ def _watchers(cfg, run_dir: Path):
     return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
 
 
+def _rejoin_left(cfg, used: int) -> bool:
+    """run.rejoin and fewer than run.max_rejoins rejoin relaunches used: the next segment's
+    ranks checkpoint and leave for a relaunch when a replica is lost and no standby is left."""
+    r = cfg.run
+    return bool(r.get("rejoin", False)) and used < int(r.get("max_rejoins", 0) or 0)
+
+
 def run_resilient(job) -> JobResult:
     """Launch (and relaunch, and resume) one resilient job; see the module docstring."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.hsdp.checkpoint import ENV_RESUME_FROM, ENV_SEGMENT
+    from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
     from recover_hsdp.hsdp.fsdp_hybrid import serve_store
     from recover_hsdp.launch import default_store_host, run_job
     from recover_hsdp.record import RecordError, read_run
@@ -233,7 +251,7 @@ def run_resilient(job) -> JobResult:
             stop["target"] = request_stop(run_dir, signal.Signals(signum).name)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    restarts, start_tries, t_begin = 0, 0, time.monotonic()
+    restarts, rejoins, start_tries, t_begin = 0, 0, 0, time.monotonic()
     reason = "resume" if resume else "start"
     try:
         while True:
@@ -258,11 +276,14 @@ def run_resilient(job) -> JobResult:
                 "cursors": cursors, "replicas": int(cfg.parallel.replicas),
                 "shard_size": int(cfg.parallel.shard_size),
                 "grad_accum": int(cfg.parallel.grad_accum),
-                "micro_batch_size": int(cfg.parallel.micro_batch_size)})
+                "micro_batch_size": int(cfg.parallel.micro_batch_size),
+                "standby": int(cfg.parallel.get("standby") or 0),
+                "rejoin": _rejoin_left(cfg, rejoins)})
             with serve_store(host) as store:
                 env = job_env(job, store)
                 env[ENV_SEGMENT] = str(k)
-                extra = ["-x", ENV_SEGMENT]
+                env[ENV_REJOIN] = "1" if _rejoin_left(cfg, rejoins) else "0"
+                extra = ["-x", ENV_SEGMENT, "-x", ENV_REJOIN]
                 if resume is not None:
                     env[ENV_RESUME_FROM] = str(resume[0])
                     extra += ["-x", ENV_RESUME_FROM]
@@ -314,7 +335,8 @@ def run_resilient(job) -> JobResult:
                 continue
             if done:
                 res.status, res.exit_code = "ok", EXIT_OK
-                res.note = f"{k + 1} segment(s); {restarts} automatic relaunch(es)"
+                res.note = (f"{k + 1} segment(s); {restarts} automatic relaunch(es)"
+                            + (f", {rejoins} rejoin relaunch(es)" if rejoins else ""))
                 break
             if "target" in stop:
                 got = latest_complete(run_dir, warn=warn)
@@ -334,6 +356,23 @@ def run_resilient(job) -> JobResult:
                     cfg, f.read().decode(errors="replace"), ldir, k)
             if lost_msg:
                 print(f"[{PROG}] {lost_msg}", flush=True)
+            if (lost_cfg is None and resume is not None and _rejoin_left(cfg, rejoins)
+                    and resume[1].get("exit") == "rejoin"
+                    and int(resume[1].get("segment", -1)) == k):
+                rejoins += 1        # the rejoin policy (docs/rejoin.md): back to full width
+                wait = float(cfg.run.rejoin_backoff_s) * 2 ** (rejoins - 1)
+                reason = (f"rejoin {rejoins}/{cfg.run.max_rejoins} at full width "
+                          f"(W={cfg.parallel.replicas}, back-off {wait:g} s)")
+                print(f"[{PROG}] segment {k} ended with {len(committed)}/{steps} steps committed "
+                      f"and fewer than {cfg.parallel.replicas} replicas alive: {reason} from "
+                      f"{resume[0]}", flush=True)
+                time.sleep(wait)
+                if "target" in stop:    # a stop request during the back-off: it is saved
+                    res.status, res.exit_code = "preempted", EXIT_PREEMPTED
+                    res.note = (f"stopped on request during the rejoin back-off; checkpoint "
+                                f"{resume[0]}: resume with run.resume=true")
+                    break
+                continue
             if restarts >= int(cfg.run.max_restarts) or resume is None:
                 res.status = "incomplete" if committed else "failed"
                 res.note = (f"segment {k} ended with {len(committed)}/{steps} steps committed; "

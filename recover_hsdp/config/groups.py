@@ -139,13 +139,18 @@ class RunConfig:
     resume: bool = False                   # continue run.output_dir from its newest checkpoint
     min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
     max_restarts: int = 3                  # automatic full-width relaunches of one launcher
+    # rejoin (issue 15, docs/rejoin.md): standbys first, then a full-width relaunch
+    rejoin: bool = False                   # fewer than W alive, no standby left: relaunch at W
+    max_rejoins: int = 3                   # such relaunches; past it the run goes on degraded
+    rejoin_backoff_s: float = 1.0          # wait before the n-th: rejoin_backoff_s * 2**(n-1)
     # deaths before the world forms (issue 12, faults/startup.py): relaunch up to start_retries
     start_retries: int = 1
     startup_timeout_s: Optional[float] = None  # no start-up progress for: failed; null: 65 s
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
-        for key in ("ckpt_interval", "min_replicas", "max_restarts", "start_retries"):
+        for key in ("ckpt_interval", "min_replicas", "max_restarts", "start_retries",
+                    "max_rejoins"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise TrainConfigError(f"run.{key}({getattr(self, key)!r}) must be an integer "
                                        f">= 0")
@@ -155,6 +160,11 @@ class RunConfig:
                                                  or self.save_params_every < 0):
             raise TrainConfigError(f"run.save_params_every({self.save_params_every!r}) must be "
                                    f"auto or an integer >= 0 (0: initial and final parameters only)")
+        if not isinstance(self.rejoin, bool):
+            raise TrainConfigError(f"run.rejoin({self.rejoin!r}) must be true or false")
+        if not _is_real(self.rejoin_backoff_s) or self.rejoin_backoff_s < 0:
+            raise TrainConfigError(f"run.rejoin_backoff_s({self.rejoin_backoff_s!r}) must be a "
+                                   f"number >= 0 (seconds)")
         if not _is_real(self.shard_timeout_s) or not self.shard_timeout_s > 0:
             raise TrainConfigError(f"run.shard_timeout_s({self.shard_timeout_s!r}) must be > 0")
         if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node)

@@ -193,6 +193,11 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
         why = standby_config_problem(par.standby, policy, parts["baseline"].name, run)
         if why:
             raise TrainConfigError(why)
+    if run.rejoin:    # the rejoin policy (docs/rejoin.md)
+        from recover_hsdp.policy.standby import rejoin_config_problem
+        why = rejoin_config_problem(policy, parts["baseline"].name)
+        if why:
+            raise TrainConfigError(why)
     return CheckedConfig(parallel=par, policy=parts["policy"], optim=optim, run=run,
                          debug=parts["debug"], model=model, data=data, failures=failures,
                          schedule=schedule, vocab_size=vocab, baseline=parts["baseline"])

@@ -33,6 +33,7 @@ from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, r
 
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
+ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": run.rejoin and rejoins left (the launcher)
 STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
 
 
@@ -156,7 +157,8 @@ class ResilientCheckpointer:
         self.run_dir = Path(run_dir)
         self.use_async = use_async
         self.segment = int(segment)
-        W = mgr.topo.replicas
+        self.exit_reason: Optional[str] = None     # state.json "exit" (the launcher reads it)
+        W = int(mgr.policy.w_init)     # the active slots (mgr.topo also counts the standbys)
         self.w0 = int(w0 or W)
         self.slice_of = dict(slice_of or {r: r for r in range(W)})
         self.slices = dict(slices or {str(s): {"cursor": 0, "live": True}
@@ -167,7 +169,7 @@ class ResilientCheckpointer:
         self.save_times: list[dict] = []
         self._pool = None
         mine = None
-        for r in range(W):
+        for r in range(mgr.topo.replicas):   # every rank block: a promoted standby saves too
             g = dist.new_group(mgr.topo.replica_ranks(r), backend="gloo",
                                timeout=timedelta(seconds=timeout_s),
                                group_desc=f"ckpt_replica{r}")
@@ -187,8 +189,9 @@ class ResilientCheckpointer:
         mgr = self.mgr
         return {"format": STATE_FORMAT, "step": int(step), "slices": self.slices,
                 "w_init": self.w0, "B": int(mgr.policy.B), "segment": self.segment,
-                "shape": {"replicas": mgr.topo.replicas, "shard_size": mgr.S,
-                          "grad_accum": int(mgr.policy.g_init)},
+                "shape": {"replicas": int(mgr.policy.w_init), "shard_size": mgr.S,
+                          "grad_accum": int(mgr.policy.g_init), "standby": int(mgr.standby)},
+                "exit": self.exit_reason,
                 "alive": sorted({self.slice_of[r] for r in mgr.policy.alive}),
                 "record": {"last_step": int(step) - 1, "segment": self.segment},
                 "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
@@ -283,7 +286,7 @@ class ResilientCheckpointer:
         _load_state_dicts(mgr, state)
         self.w0 = int(st["w_init"])
         self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
-        streams = assign_streams(self.slices, mgr.topo.replicas)
+        streams = assign_streams(self.slices, int(mgr.policy.w_init))
         self.slice_of = {r: s for r, (s, _j, _q) in streams.items()}
         cursors = {int(s): int(v["cursor"]) for s, v in self.slices.items()}
         mgr.data = SliceDataAssignment(self.w0, self.slice_of, cursors,
@@ -368,7 +371,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
         interval = int(run.get("ckpt_interval", 0) or 0)
         resume_from = os.environ.get(ENV_RESUME_FROM) or None
         min_rep = int(run.get("min_replicas", 0) or 0)
-        if not (interval or resume_from or min_rep or run.get("resume")):
+        if not (interval or resume_from or min_rep or run.get("resume") or run.get("rejoin")):
             return None
         self = cls(mgr, run_dir, use_async=bool(run.get("ckpt_async", True)),
                    segment=int(os.environ.get(ENV_SEGMENT, "0") or 0),
@@ -376,6 +379,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
                    log=lambda s: print(f"[rank {mgr.rank}] {s}", flush=True)
                    if mgr.shard_index == 0 and mgr.replica == min(mgr.policy.alive) else None)
         self.interval, self.min_replicas = interval, min_rep
+        self.rejoin = os.environ.get(ENV_REJOIN) == "1"     # the launcher's word (rejoins left)
         if resume_from:
             t0 = time.perf_counter()
             self.resumed = self.load(resume_from)
@@ -400,14 +404,22 @@ class TrainerCheckpointing(ResilientCheckpointer):
             return
         target = stop_target(self.run_dir)
         why = None
+        n, W = len(mgr.policy.alive), int(mgr.policy.w_init)
         if target is not None and mgr.step >= target:
-            why = f"stop requested (SIGTERM/SIGUSR1): checkpoint at step {mgr.step}, then exit"
-        elif self.min_replicas and len(mgr.policy.alive) < self.min_replicas:
-            why = (f"{len(mgr.policy.alive)} replicas alive < run.min_replicas"
-                   f"({self.min_replicas}): checkpoint at step {mgr.step}, relaunch at full width")
+            why, self.exit_reason = (f"stop requested (SIGTERM/SIGUSR1): checkpoint at step "
+                                     f"{mgr.step}, then exit"), "stop"
+        elif self.rejoin and mgr.relaunch_due():      # the rejoin policy (docs/rejoin.md)
+            why, self.exit_reason = (f"{n}/{W} replicas alive, no standby left: checkpoint at "
+                                     f"step {mgr.step}, relaunch at full width (run.rejoin)"), \
+                "rejoin"
+        elif self.min_replicas and n < self.min_replicas and not (mgr.standby and mgr.cross.pool):
+            why, self.exit_reason = (f"{n} replicas alive < run.min_replicas({self.min_replicas})"
+                                     f": checkpoint at step {mgr.step}, relaunch at full width"), \
+                "min_replicas"
         if why is not None:
             if self.is_saver() and mgr.shard_index == 0:
                 print(why, flush=True)
+            mgr.release_standbys()          # idle standbys leave with the job (one world round)
             self._guarded_save(mgr.step, sync=True)
             import sys
             sys.stdout.flush()

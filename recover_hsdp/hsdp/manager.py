@@ -223,6 +223,26 @@ class HSDPULFMTrainingManager:
         if self.standby:
             release_standbys(self)
 
+    # --- the rejoin policy (docs/rejoin.md): standbys first, then a full-width relaunch ------
+    def relaunch_due(self) -> bool:
+        """After a commit, on every active rank (agreed state, same answer everywhere): fewer
+        than ``replicas`` slots alive and no standby left to take one. Then a custom loop calls
+        ``save_for_relaunch(run_dir)`` and exits (os._exit(0)); its launcher starts the same
+        job again at full width and every rank resumes with ``load(run_dir)``."""
+        return (len(self.policy.alive) < self.policy.w_init
+                and not (self.standby and self.cross.pool))
+
+    def save_for_relaunch(self, run_dir) -> float:
+        """Every active rank, at the same step boundary: release the idle standbys, then a
+        synchronous checkpoint of the state before step ``self.step`` marked ``exit: rejoin``
+        (what ``recover-hsdp train``'s launcher reads to count it against run.max_rejoins).
+        Returns the seconds held."""
+        self.release_standbys()
+        ck = self.checkpointer(run_dir)
+        ck.exit_reason = "rejoin"
+        ck.note_commit()
+        return ck.save(self.step, sync=True)
+
     def set_failure_schedule(self, schedule, before_kill=None) -> None:
         """Install the failure simulator's schedule: a FailureSchedule, or a list of entries
         ({step, replica, local_rank, location, microbatch|bucket}), validated here against this

@@ -18,18 +18,25 @@ from recover_hsdp.policy.layout import PolicyError, advance_layout
 
 
 def standby_config_problem(standby: int, policy: str, baseline: str, run: Any) -> Optional[str]:
-    """Why parallel.standby > 0 cannot run with these settings (one line), or None."""
+    """Why parallel.standby > 0 cannot run with these settings (one line), or None. Standbys
+    combine with run.ckpt_interval / run.resume / run.min_replicas / run.rejoin (the checkpoint
+    groups are per rank block; only the W active slots' slices are saved; docs/rejoin.md)."""
     if policy != "static":
         return (f"parallel.standby({standby}) needs policy.name=static (the adaptive policy "
                 f"shrinks B; a join would have to grow it back)")
     if baseline != "none":
         return f"parallel.standby({standby}) runs only with baseline.name=none (got {baseline!r})"
-    for key in ("ckpt_interval", "min_replicas"):
-        if int(getattr(run, key, 0) or 0):
-            return (f"parallel.standby({standby}) with run.{key} is not supported yet: the "
-                    f"checkpoint groups span the standbys (docs/rejoin.md, limits)")
-    if getattr(run, "resume", False):
-        return f"parallel.standby({standby}) with run.resume is not supported yet (docs/rejoin.md)"
+    return None
+
+
+def rejoin_config_problem(policy: str, baseline: str) -> Optional[str]:
+    """Why run.rejoin=true cannot run with these settings (one line), or None."""
+    if policy != "static":
+        return (f"run.rejoin=true needs policy.name=static (got {policy!r}: the adaptive policy "
+                f"shrinks B, a relaunch at full width would have to grow it back)")
+    if baseline != "none":
+        return (f"run.rejoin=true runs only with baseline.name=none (got {baseline!r}: the "
+                f"baselines restart by their own rules)")
     return None
 
 

@@ -36,13 +36,23 @@ def test_standby_is_off_by_default_and_launches_extra_ranks():
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.standby=-1"], "parallel.standby(-1) must be an integer >= 0"),
     (["parallel.standby=1", "policy=adaptive"], "parallel.standby(1) needs policy.name=static"),
-    (["parallel.standby=1", "run.ckpt_interval=2"], "parallel.standby(1) with run.ckpt_interval"),
-    (["parallel.standby=1", "run.min_replicas=1"], "parallel.standby(1) with run.min_replicas"),
+    (["run.rejoin=true", "policy=adaptive"], "run.rejoin=true needs policy.name=static"),
+    (["run.rejoin=true", "baseline=checkpoint_restart"], "run.rejoin=true runs only with"),
+    (["run.max_rejoins=-1"], "run.max_rejoins(-1) must be an integer >= 0"),
+    (["run.rejoin_backoff_s=-2"], "must be a number >= 0 (seconds)"),
 ])
 def test_standby_config_errors_are_one_line(overrides, message):
     with pytest.raises(TrainConfigError) as info:
         validate(resolved(*overrides))
     assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_standby_combines_with_checkpoints_and_the_rejoin_relaunch():
+    # one policy (docs/rejoin.md): standbys first, then the checkpoint + full-width relaunch
+    cfg = resolved("parallel.replicas=3", "parallel.standby=1", "run.ckpt_interval=2",
+                   "run.min_replicas=1", "run.rejoin=true", "run.max_rejoins=2")
+    validate(cfg)
+    assert cfg.run.rejoin is True and cfg.run.max_rejoins == 2 and cfg.run.rejoin_backoff_s == 1.0
 
 
 # ---- policy + data ----------------------------------------------------------------------------
@@ -122,3 +132,32 @@ def test_rejoin_refuses_an_alive_slot_and_mid_iteration():
     pol.fail([1])            # a boundary step is open
     with pytest.raises(PolicyError):
         rejoin(pol, data, 1)
+
+
+def test_relaunch_due_only_when_no_standby_is_left_and_the_launcher_counts_rejoins():
+    from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
+    from recover_hsdp.resume import _rejoin_left, wants_supervisor
+
+    def mgr(alive, standby=0, pool=()):
+        return SimpleNamespace(policy=SimpleNamespace(alive=tuple(alive), w_init=3),
+                               standby=standby, cross=SimpleNamespace(pool=list(pool)))
+
+    due = HSDPULFMTrainingManager.relaunch_due
+    assert not due(mgr([0, 1, 2])) and due(mgr([0, 2]))
+    assert not due(mgr([0, 2], standby=1, pool=[3]))    # a standby takes the slot in place
+    assert due(mgr([0, 2], standby=1, pool=[]))          # pool used up: relaunch
+    cfg = resolved("run.rejoin=true", "run.max_rejoins=2")
+    assert wants_supervisor(cfg) and [_rejoin_left(cfg, n) for n in range(4)] == [
+        True, True, False, False]
+    assert not _rejoin_left(resolved(), 0) and not wants_supervisor(resolved())
+
+
+def test_a_resume_with_standbys_keeps_the_first_width():
+    from recover_hsdp.resume import check_resume
+
+    cfg = resolved("parallel.replicas=2", "parallel.grad_accum=3", "parallel.standby=1")
+    why = check_resume(cfg, {"w_init": 3, "B": 6}, Path("ck/step_000004"))
+    assert why == ("cannot resume from ck/step_000004 with parallel.standby(1): a run with "
+                   "standbys resumes at its first width (parallel.replicas=3, got 2)")
+    assert check_resume(resolved("parallel.replicas=3", "parallel.grad_accum=2",
+                                 "parallel.standby=1"), {"w_init": 3, "B": 6}, Path("x")) is None
