@@ -17,6 +17,7 @@ with rank 2 SIGKILLed (is ULFM live on a DVM job at all?). Scenario in $SCEN:
   ic  as i, but B SIGKILLs itself 1 s after publishing, before A connects (A waits 2 s)
   im  as i, but A's rank 2 enters Connect 2 s late and B SIGKILLs itself 1 s into its Accept,
       while A0/A1 and B wait inside the connect for A2
+  dvm (role solo, nobody killed, 40 rounds): the driver SIGKILLs the DVM (prte) 4 s in
   a2  as a, then A (on the shrunk merged comm) accepts a SECOND newcomer (B with SCEN=ok and
       PORT_FILE=$PORT_FILE.2): a second join cycle
 Every rank prints `[role rank] what t=... at=...` lines (at = wall clock mod 1000, to line up
@@ -42,6 +43,8 @@ Seen 2026-12-01 (Open MPI 5.0.11 / PRRTE 3.0.14 from PyPI, 2 cores, load 15-19):
   i     inverted roles work the same (connect 0.01-0.2 s)
   ic    A's Connect fails at once (ERR_INTERN, 0.02 s); A's world intact, allreduce = 3
   im    HANG: A0/A1 (in Connect) and the DVM job stay blocked for the 40 s box
+  dvm   SIGKILL of prte ends the job: its ranks are gone at once (last round printed 0.8 s in,
+        none left 4 s later), mpirun rc 195: the DVM is a single point of failure
   a2    after B1's death and the shrink, a second Accept on the shrunk merged comm takes B2:
         merged size 4 again, allreduce = 4
 """
@@ -108,9 +111,9 @@ def keep_going(c, tag, rounds=6):
 
 
 if role == "solo":
-    if rank == 2:
+    if rank == 2 and scen != "dvm":
         die_in(0.5)
-    keep_going(comm, "solo")
+    keep_going(comm, "solo", rounds=40 if scen == "dvm" else 6)
     say("solo done, exiting 0")
     os._exit(0)
 

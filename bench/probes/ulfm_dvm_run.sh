@@ -1,6 +1,6 @@
 #!/bin/bash
 # Probe driver (issue 15): a newcomer job joins a running ULFM job through a persistent PRRTE DVM.
-#   bash bench/probes/ulfm_dvm_run.sh SCEN [SCEN...]   # SCEN: solo ok a b c c2 d e i ic im a2
+#   bash bench/probes/ulfm_dvm_run.sh SCEN [SCEN...]   # SCEN: solo ok a b c c2 d e i ic im a2 dvm
 #   NB=2 bash bench/probes/ulfm_dvm_run.sh ok a         # a 2-process newcomer job
 #   EXTRA=OMPI_MCA_mpi_pmix_connect_timeout=5 bash bench/probes/ulfm_dvm_run.sh b c2
 # What each scenario does and what it printed: ulfm_dvm_join.py's docstring; figures:
@@ -30,8 +30,15 @@ for S in "$@"; do
   DVM=$(cat "$WORK/pid"); T0=$(date +%s.%N)
   D="env LD_PRELOAD=$WORK/prrte_dvm_fix.so mpirun --dvm uri:file:$WORK/uri --forward-signals none --oversubscribe --with-ft ulfm"
   APP="env OPAL_PREFIX=$V OMPI_MCA_mpi_ft_enable=1 ${EXTRA:-} OMPI_MCA_coll=self,basic,tuned,libnbc,ftagree PYTHONPATH=$PWD PORT_FILE=$WORK/port SCEN=$S"
+  if [ "$S" = dvm ]; then     # job A alone, then the DVM is SIGKILLed under it
+    (timeout -k 3 30 $D -n 3 $APP "$V/bin/python" bench/probes/ulfm_dvm_join.py solo; echo "job rc=$?") &
+    sleep 6; echo "ranks alive before: $(grep -l "PORT_FILE=$WORK/port" /proc/[0-9]*/environ 2>/dev/null | wc -l)"
+    echo "SIGKILL DVM at=$(echo "$(date +%s.%N) % 1000" | bc)"; kill -9 "$DVM"; sleep 4
+    echo "ranks left 4 s later: $(grep -l "PORT_FILE=$WORK/port" /proc/[0-9]*/environ 2>/dev/null | wc -l)"
+    wait
+  fi
   [ "$S" = solo ] && { timeout -k 3 25 $D -n 3 $APP "$V/bin/python" bench/probes/ulfm_dvm_join.py solo; echo "solo rc=$?"; }
-  if [ "$S" != solo ]; then
+  if [ "$S" != solo ] && [ "$S" != dvm ]; then
     (timeout -k 3 40 $D -n 3 $APP "$V/bin/python" bench/probes/ulfm_dvm_join.py A > "$WORK/A.$S.log" 2>&1; echo "A rc=$?" >> "$WORK/A.$S.log") &
     AP=$!
     sleep 1; printf "B launched at=%.3f\n" "$(echo "$(date +%s.%N) % 1000" | bc)"
