@@ -34,7 +34,9 @@ def rejoins_of(commits: dict[int, dict], fired: Sequence[dict]) -> list[dict]:
     """Per kill: the first step committed after it whose contributors include the killed replica
     again (torchft: its relaunched process, healed; ours with standbys: the standby promoted into
     its slot), the time from the kill marker to that commit and how many steps committed without
-    it in between. step / kill_to_rejoin_s None: it never contributed again."""
+    it in between. step / kill_to_rejoin_s None: it never contributed again. The replica is the
+    kill entry's (a slot for every kill this bench schedules; a kill addressed to a promoted
+    standby's rank block, replica >= W, is not mapped back to its slot)."""
     order = sorted((v["time"], s) for s, v in commits.items() if v.get("time") is not None)
     out = []
     for f in sorted((f for f in fired if f), key=lambda f: float(f["time"])):
