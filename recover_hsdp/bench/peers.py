@@ -11,6 +11,8 @@ our AdamW + lr schedule, seed 0 and one torch thread per process, N replica grou
                   SIGKILLing the victim mid-all-reduce and relaunching it after --relaunch-delay
   ours_kills      `recover-hsdp train` with the same schedule (SIGKILL at reduce bucket 1); ours
                   does not relaunch: the survivors carry the batch
+  ours_standby    the same with parallel.standby = one per kill: a hot standby takes each lost
+                  slot at the next step boundary (docs/rejoin.md), beside torchft's relaunch
 
 torchft set-up (tuned for speed, ../shared/notes/peers.md): a local `torchft_lighthouse` on
 127.0.0.1 (--quorum_tick_ms, --join_timeout_ms), per replica its own TCPStore, ProcessGroupGloo
@@ -33,6 +35,9 @@ Measured (per run, from its run directory; commit time of a step = its FIRST com
   tokens/proc-h   committed tokens / process-hours between the start of the first step and the
                   last commit (processes: replica processes running; ours: ranks not yet killed)
   loss vs ref     per step loss - ours_nofail's loss: mean |diff|, max |diff|, final diff
+  kill->rejoin    each kill's marker time to the commit of the first step the killed replica's
+                  slot contributes to again (torchft: its relaunched process; ours_standby: the
+                  promoted standby; ours_kills: never), and the steps committed without it
 
 Every process started here (lighthouse, replicas, mpirun and its ranks) runs in its own session
 and is killed (its process group, plus any descendants) on exit, timeout, error or Ctrl-C.
@@ -189,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_ours and args.kill_list:
         plan.append(("ours_kills", lambda d: run_ours(args, procs, d, args.kill_list,
                                                       deadline())))
+        plan.append(("ours_standby", lambda d: run_ours(args, procs, d, args.kill_list,
+                                                        deadline(), len(args.kill_list))))
     rc = 0
     try:
         for name, fn in plan:

@@ -30,6 +30,25 @@ def commits_of(rec) -> dict[int, dict]:
     return out
 
 
+def rejoins_of(commits: dict[int, dict], fired: Sequence[dict]) -> list[dict]:
+    """Per kill: the first step committed after it whose contributors include the killed replica
+    again (torchft: its relaunched process, healed; ours with standbys: the standby promoted into
+    its slot), the time from the kill marker to that commit and how many steps committed without
+    it in between. step / kill_to_rejoin_s None: it never contributed again. The replica is the
+    kill entry's (a slot for every kill this bench schedules; a kill addressed to a promoted
+    standby's rank block, replica >= W, is not mapped back to its slot)."""
+    order = sorted((v["time"], s) for s, v in commits.items() if v.get("time") is not None)
+    out = []
+    for f in sorted((f for f in fired if f), key=lambda f: float(f["time"])):
+        r, t = int((f.get("entry") or {}).get("replica", -1)), float(f["time"])
+        after = [(tt, s) for tt, s in order if tt > t]
+        back = next(((tt, s) for tt, s in after if r in (commits[s].get("alive") or [])), None)
+        out.append({"replica": r, "kill_time": t, "step": back[1] if back else None,
+                    "kill_to_rejoin_s": (back[0] - t) if back else None,
+                    "steps_without": sum(1 for tt, _ in after if back is None or tt < back[0])})
+    return out
+
+
 def run_length(values: Sequence[Any]) -> str:
     """[6, 6, 4, 6] -> "6x2 4 6"."""
     out, i = [], 0
@@ -98,6 +117,8 @@ def analyze(run: dict, ref_losses: dict[int, float] | None = None) -> dict:
         "tokens_per_process_hour": (tokens / proc_s * 3600) if proc_s else None,
         "losses": {s: c[s]["loss"] for s in steps}, "loss_vs_ref": loss_cmp,
         "relaunches": extra.get("relaunches"), "errors": run.get("errors", []),
+        "rejoins": (rj := rejoins_of(c, rec.fired)),
+        "kill_to_rejoin_s": median(x["kill_to_rejoin_s"] for x in rj),
     }
 
 
@@ -142,21 +163,25 @@ def format_table(result: dict) -> str:
     lines = H.header(result, "peers", f", torchft {result.get('torchft', '?')}") + [
              f"N={result.get('replicas')} replica groups x 1 process, G={result.get('G')}, "
              f"kills {result.get('kills')} (torchft: relaunched after "
-             f"{result.get('relaunch_delay')} s; ours: not relaunched)", "",
+             f"{result.get('relaunch_delay')} s; ours_kills: not relaunched; ours_standby: "
+             f"a standby takes the slot)", "",
              f"{'run':<16} {'steps':>5} {'step s':>7} {'vs gloo':>7} {'wall_s':>7} "
              f"{'kill->commit med':>16} "
-             f"{'each':<18} {'disc':>4} {'tok/proc-h':>11} {'loss diff mean/final':>21}  "
-             f"divisor per step"]
+             f"{'each':<18} {'kill->rejoin each':<22} {'disc':>4} {'tok/proc-h':>11} "
+             f"{'loss diff mean/final':>21}  divisor per step"]
     for name, r in rows.items():
         ratio = (r["step_interval_s"] / plain) if plain and r.get("step_interval_s") else None
         each = ",".join(H.fmt(k["kill_to_commit_s"], 2) for k in r.get("kills", [])) or "-"
+        rj = ",".join("never" if x["kill_to_rejoin_s"] is None else
+                      f"{x['kill_to_rejoin_s']:.2f}({x['steps_without']})"
+                      for x in r.get("rejoins") or []) or "-"
         lc = r.get("loss_vs_ref")
         lcs = f"{lc['mean_abs']:.4f}/{lc['final']:+.4f}" if lc else "-"
         tph = r.get("tokens_per_process_hour")
         lines.append(
             f"{name:<16} {r['steps_committed']:>5} {H.fmt(r.get('step_interval_s')):>7} "
             f"{H.fmt(ratio, 2):>7} {H.fmt(r.get('wall_s')):>7} "
-            f"{H.fmt(r.get('kill_to_commit_s'), 3, ' s'):>16} {each:<18} "
+            f"{H.fmt(r.get('kill_to_commit_s'), 3, ' s'):>16} {each:<18} {rj:<22} "
             f"{r.get('discarded_steps', 0):>4} {('-' if tph is None else f'{tph:.3g}'):>11} "
             f"{lcs:>21}  {r.get('divisor_rle', '')}")
         for e in r.get("errors", []):
@@ -186,7 +211,9 @@ def format_table(result: dict) -> str:
     lines.append("step s = median commit-to-commit interval of failure-free steps >= "
                  f"{WARM_STEPS} (first commit over ranks); wall_s = median in-step time; "
                  "tok/proc-h = committed tokens per process-hour; loss diff = per-step loss minus "
-                 "ours_nofail's (mean |diff| / final)")
+                 "ours_nofail's (mean |diff| / final); kill->rejoin = s from a kill to the "
+                 "commit of the first step the killed replica's slot contributes to again (steps "
+                 "committed without it)")
     return "\n".join(lines + H.footer(result))
 
 
@@ -194,7 +221,8 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
     """peers_loss.png (loss vs step; divisor per step) and peers_steps.csv next to it."""
     plot_dir.mkdir(parents=True, exist_ok=True)
     rows = result["runs"]
-    names = [n for n in ("ours_nofail", "ours_kills", "torchft_nofail", "torchft_dynamic",
+    names = [n for n in ("ours_nofail", "ours_kills", "ours_standby", "torchft_nofail",
+                         "torchft_dynamic",
                          "torchft_fixed", "plain_ddp") if n in rows]
     steps = sorted({int(s) for n in names for s in rows[n]["losses"]})
     csv = plot_dir / "peers_steps.csv"
@@ -216,6 +244,7 @@ def write_plot(result: dict, plot_dir: Path) -> list[str]:
                   gridspec_kw={"height_ratios": [3, 2]}) as (_, (a1, a2)):
         style = {"ours_nofail": ("k", "-", "ours, no failures (reference)"),
                  "ours_kills": ("tab:blue", "--", "ours, kills"),
+                 "ours_standby": ("tab:purple", "-.", "ours, kills, standbys rejoin"),
                  "torchft_nofail": ("tab:gray", ":", "torchft, no failures"),
                  "torchft_dynamic": ("tab:red", "-", "torchft DYNAMIC, kills"),
                  "torchft_fixed": ("tab:orange", "-", "torchft FIXED_WITH_SPARES, kills"),

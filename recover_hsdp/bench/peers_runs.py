@@ -337,7 +337,8 @@ def _finish_summary(run_dir: Path, args, wall: float, info: list[dict], fired: l
                                                      "rc", "killed")} for i in info]}))
 
 
-def run_ours(args, procs: Procs, run_dir: Path, kills: list[dict], deadline: float) -> dict:
+def run_ours(args, procs: Procs, run_dir: Path, kills: list[dict], deadline: float,
+             standby: int = 0) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -349,7 +350,7 @@ def run_ours(args, procs: Procs, run_dir: Path, kills: list[dict], deadline: flo
            f"run.output_dir={run_dir}", "run.save_params_every=0", "run.omp_num_threads=1",
            f"run.time_limit_s={max(10, int(deadline - time.time()) - 5)}",
            f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup_steps}",
-           "data.seed=0"]
+           "data.seed=0"] + ([f"parallel.standby={standby}"] if standby else [])
     if kills:
         sched = run_dir.parent / f"{run_dir.name}.schedule.yaml"
         import yaml

@@ -45,6 +45,8 @@ def test_bench_peers_smoke_dynamic_one_kill(tmp_path):
     assert len(run["kills"]) == 1 and run["kills"][0]["kill_to_commit_s"] is not None
     assert run["discarded_steps"] >= 1 or min(run["divisors"]) < max(run["divisors"])
     assert run["divisors"][0] == 2 * 2              # both replicas x G=2 before the kill
+    rj = run["rejoins"]                             # replica 1 (N-1) killed; the step of the
+    assert len(rj) == 1 and rj[0]["replica"] == 1 and rj[0]["steps_without"] >= 1   # kill lacks it
 
     from recover_hsdp.record import read_run
 

@@ -92,6 +92,22 @@ def _row(name, interval, k2c=None, disc=0, divs=(6, 6), B=6):
                             "final_loss": 6.1, "ref_final_loss": 6.095}}
 
 
+def test_rejoins_of_finds_the_killed_slot_contributing_again():
+    # replica 2 killed at t=10.05 (its step 1 attempt lost), back in step 4; replica 1 killed
+    # at t=12.3, never back; a marker without a replica is never matched
+    commits = {s: {"time": 10.0 + s * 0.5, "alive": a} for s, a in
+               enumerate([[0, 1, 2], [0, 1], [0, 1], [0, 1], [0, 1, 2], [0, 2], [0, 2]])}
+    fired = [{"time": 12.3, "entry": {"replica": 1}}, {"time": 10.05, "entry": {"replica": 2}}]
+    got = pa.rejoins_of(commits, fired)
+    assert [g["replica"] for g in got] == [2, 1]
+    assert got[0]["step"] == 4 and got[0]["kill_to_rejoin_s"] == pytest.approx(1.95)
+    assert got[0]["steps_without"] == 3                     # steps 1, 2, 3 committed without it
+    assert got[1]["step"] is None and got[1]["kill_to_rejoin_s"] is None
+    assert got[1]["steps_without"] == 2                     # steps 5, 6: all of them
+    assert pa.rejoins_of(commits, [{"time": 9.0, "entry": {}}])[0]["step"] is None
+    assert pa.rejoins_of({}, fired)[0]["steps_without"] == 0
+
+
 def test_verdicts_and_table():
     rows = {"plain_ddp": _row("plain_ddp", 0.1), "torchft_nofail": _row("torchft_nofail", 0.14),
             "ours_nofail": _row("ours_nofail", 0.11),
@@ -102,9 +118,12 @@ def test_verdicts_and_table():
     assert v["ours_no_discard_constant_B"]["met"]
     assert v["overhead"]["ours_ratio"] == pytest.approx(1.1) and v["overhead"]["met"]
     assert v["loss_torchft_dynamic"]["mean_abs"] == 0.01
+    rows["torchft_dynamic"]["rejoins"] = [{"kill_to_rejoin_s": 2.5, "steps_without": 9}]
+    rows["ours_kills"]["rejoins"] = [{"kill_to_rejoin_s": None, "steps_without": 30}]
     text = pa.format_table({"runs": rows, "verdicts": v, "replicas": 3, "G": 2,
                             "kills": [{"step": 1, "replica": 2}], "relaunch_delay": 1.0})
     assert "torchft_dynamic" in text and "6 4" in text and "1.40" in text
+    assert "2.50(9)" in text and "never" in text
     assert "6.0x" in text and "MET" in text and "NOT MET" not in text
     rows["ours_kills"]["kill_to_commit_s"] = 0.2
     assert not pa.verdicts(rows)["recovery"]["met"]
