@@ -86,16 +86,17 @@ def tokenizer_vocab_size(data: Any) -> int:
 
 
 def _check_ranks(par: ParallelConfig, run: RunConfig, world_size: Optional[int]) -> None:
-    # what is launched must be exactly W_init * S ranks
+    # what is launched must be exactly (W_init + standbys) * S ranks
     np_ = run.np if run.np is not None else par.world_size
+    k = int(par.standby or 0)
+    w = (f"(parallel.replicas({par.replicas}) + parallel.standby({k}))" if k
+         else f"parallel.replicas({par.replicas})")
     if np_ != par.world_size:
-        raise TrainConfigError(f"parallel.replicas({par.replicas}) * parallel.shard_size"
-                               f"({par.shard_size}) = {par.world_size} != run.np({np_}) ranks "
-                               f"to launch")
+        raise TrainConfigError(f"{w} * parallel.shard_size({par.shard_size}) = "
+                               f"{par.world_size} != run.np({np_}) ranks to launch")
     if world_size is not None and world_size != par.world_size:
-        raise TrainConfigError(f"parallel.replicas({par.replicas}) * parallel.shard_size"
-                               f"({par.shard_size}) = {par.world_size} != {world_size} ranks "
-                               f"launched")
+        raise TrainConfigError(f"{w} * parallel.shard_size({par.shard_size}) = "
+                               f"{par.world_size} != {world_size} ranks launched")
 
 
 def check_world(cfg: DictConfig, world_size: Optional[int]) -> None:

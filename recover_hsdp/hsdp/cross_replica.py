@@ -96,6 +96,7 @@ class HSDPCrossReplicaGroup:
         self.n_standby = int(standby)
         self.phys: dict[int, int] = {r: r for r in range(replicas)}
         self.pool: list[int] = list(range(replicas, replicas + self.n_standby))
+        self.standbys_lost: list[int] = []   # idle standbys' blocks lost (in order)
         self.is_standby = self.my_phys >= replicas
         self.replica = -1 if self.is_standby else self.my_phys
         self.flags = [0.0, 0.0, 0.0, 0.0]  # join request, join confirm, my join part ok, done
@@ -246,6 +247,7 @@ class HSDPCrossReplicaGroup:
                                                                 5 + 2 * self.w_init].tolist())
                 if any(f > 0.5 for f in self.agreed_flags):  # a join/done round between steps
                     return self._carry(failed_ranks, epoch_before)
+                self.standbys_lost += [p for p in self.pool if p in dead_phys]
                 self.pool = [p for p in self.pool if p not in dead_phys]
             if not failed_replicas and self.world.epoch == epoch_before:
                 break

@@ -81,6 +81,7 @@ class StepMetrics:
     grad_norm: Optional[float] = None  # global norm of the divided gradient, before clipping
     skipped: bool = False              # non-finite gradient: no optimizer update this step
     joins: list = None                 # standby joins before this step (docs/rejoin.md)
+    standbys_lost: list = None         # idle standbys (rank blocks) lost in this step
 
 
 class HSDPULFMTrainingManager:
@@ -176,6 +177,7 @@ class HSDPULFMTrainingManager:
             checkpoint=lambda location: self.injector.check(location, self.step),
             standby=self.standby)
         self.joins: list[dict] = []   # join entries for the next step's record (rejoin.md)
+        self._lost_seen = 0           # cross.standbys_lost already in a step's metrics
         self.failures_survived = 0
         self._tokens_per_mb: Optional[int] = None
         self._failure_handled = False
@@ -411,8 +413,10 @@ class HSDPULFMTrainingManager:
             boundary=boundary, restore_modes=modes, failures=failures,
             contributions={int(r): list(v) for r, v in contributions.items()},
             divisor=divisor, epoch=self.cross.epoch, wall_s=time.perf_counter() - t0,
-            grad_norm=grad_norm, skipped=skipped, joins=self.joins or None)
+            grad_norm=grad_norm, skipped=skipped, joins=self.joins or None,
+            standbys_lost=self.cross.standbys_lost[self._lost_seen:] or None)
         self.joins = []
+        self._lost_seen = len(self.cross.standbys_lost)
         orch.after_successful_commit()
         self.step += 1
         if skipped and self.skipped_in_a_row > self.max_skipped_steps:

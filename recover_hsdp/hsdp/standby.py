@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from recover_hsdp.faults import failstop
 from recover_hsdp.policy.standby import rejoin, vacant_slots
 from recover_hsdp.types import Role
 
@@ -188,11 +189,14 @@ def release_standbys(mgr) -> None:
 # ---- standby replicas -------------------------------------------------------------------------
 def standby_wait(mgr) -> bool:
     """A standby's life: loop on the world rounds until promoted (True: the state is installed,
-    train from mgr.step) or released at the end of the run (False)."""
-    from recover_hsdp.faults import failstop
+    train from mgr.step) or released at the end of the run (False).
 
-    with failstop.long_phase("standby"):   # idle by design: not a stalled rank
-        return _standby_loop(mgr)
+    No long phase is announced: every round a standby takes part in is progress (one tick per
+    round, as a replica ticks per microbatch and per consensus), so the launcher's watchdog
+    judges a standby as it judges a replica rank: a SIGSTOPped one by its stale heartbeat
+    (run.hang_timeout_s), a stuck one by ``run.progress_timeout_s``, and SIGKILLs it; the pool
+    shrinks in the next round (docs/rejoin.md, "Failures of a standby")."""
+    return _standby_loop(mgr)
 
 
 def _standby_loop(mgr) -> bool:
@@ -200,6 +204,7 @@ def _standby_loop(mgr) -> bool:
     pending = None
     while True:
         res, fl = _round(cross)
+        failstop.tick()   # a round taken part in: progress for the hang watchdog
         if fl[J_DONE] > 0.5 or not cross.alive:
             return False
         if fl[J_JOIN] > 0.5:
@@ -220,7 +225,9 @@ def _standby_loop(mgr) -> bool:
 def _be_promoted(mgr, p: int, d: int) -> bool:
     cross = mgr.cross
     grp, blob = _transfer(mgr, p, d, newcomer=True)
+    failstop.tick()
     res2, fl = _round(cross, ok=1 if grp is not None else 0)
+    failstop.tick()
     n_part = (len(cross.alive) + 1) * cross.S
     if not (res2.ok and int(round(fl[J_OK])) == n_part):
         cross._die()      # abandoned: my groups moved on; leave as a failure the others see
@@ -236,6 +243,7 @@ def _be_promoted(mgr, p: int, d: int) -> bool:
     mgr.policy, mgr.data = blob["policy"], blob["data"]
     mgr.failures_survived = int(blob["failures_survived"])
     mgr.skipped_in_a_row = int(blob["skipped"])
+    mgr._lost_seen = len(cross.standbys_lost)   # reported in the survivors' earlier records
     _install(mgr, grp, d)
     mgr._make_orchestrator()
     mgr.joins = [{"replica": d, "standby": p, "after_step": mgr.step - 1,

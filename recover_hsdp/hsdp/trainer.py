@@ -100,6 +100,7 @@ def run_worker(cfg: Any) -> int:
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": str(c.get("policy", {}).get("name", "static")),
             "restore_enabled": mgr.restore_enabled, "save_params_every": every, "processes_per_replica": S,
+            **({"standby": mgr.standby} if mgr.standby else {}),   # idle standby replicas
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
             else "custom", "device": mgr.device.type,
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
@@ -145,7 +146,9 @@ def run_worker(cfg: Any) -> int:
             failures=mt.failures, divisor=mt.divisor,
             contributions=ck.contributions(mt.contributions) if ck else mt.contributions,
             epoch=mt.epoch, extra={**({"skipped": True} if mt.skipped else {}),
-                                   **({"joins": mt.joins} if mt.joins else {})}, local=local))
+                                   **({"joins": mt.joins} if mt.joins else {}),
+                                   **({"standbys_lost": mt.standbys_lost}
+                                      if mt.standbys_lost else {})}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
         last = mt
         if ck is not None:
@@ -157,10 +160,11 @@ def run_worker(cfg: Any) -> int:
                 tb.add_scalar("alive_replicas", len(mt.alive), mt.step)
                 tb.add_scalar("tokens_per_s", mt.tokens / mt.wall_s if mt.wall_s else 0.0, mt.step)
                 tb.flush()
-        if _is_logger(mgr) and (step % log_every == 0 or mt.failures or step == steps - 1):
-            ev = ""
+        if _is_logger(mgr) and (step % log_every == 0 or mt.failures or mt.standbys_lost
+                                or step == steps - 1):
+            ev = "".join(f" | lost standby {p}" for p in mt.standbys_lost or ())
             if mt.failures:
-                ev = " | lost replicas " + ",".join(str(r) for f in mt.failures
+                ev += " | lost replicas " + ",".join(str(r) for f in mt.failures
                                                    for r in f["replicas"])
                 ev += f" -> {'/'.join(mt.restore_modes)}" + (" (boundary)" if mt.boundary else "")
             el = time.perf_counter() - t_start
@@ -180,8 +184,9 @@ def run_worker(cfg: Any) -> int:
         failures_survived=mgr.failures_survived if mgr.standby else W - len(mgr.policy.alive),
         wall_time_s=wall, tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
         faults=mgr.injector.outcome(mgr.step, mgr.policy.alive),
-        extra={**({"slot_blocks": {str(r): p for r, p in mgr.cross.phys.items() if r != p}}
-                  if mgr.standby else {}),
+        extra={**({"slot_blocks": {str(r): p for r, p in mgr.cross.phys.items() if r != p},
+                   "standbys_lost": list(mgr.cross.standbys_lost),
+                   "standbys_left": list(mgr.cross.pool)} if mgr.standby else {}),
                "final_loss": getattr(last, "loss", None)
                if math.isfinite(getattr(last, "loss", 0.0)) else None,
                **(ck.summary() if ck else {})})

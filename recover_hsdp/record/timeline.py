@@ -143,6 +143,7 @@ def load_timeline(run_dir: str | Path, label: str | None = None,
     markers = _fired(run_dir)
     kwargs = dict(label=label or run_dir.name, mode=mode, run_dir=run_dir, w_init=w_init,
                   processes_per_replica=pps, ckpt_interval=n, meta=meta,
+                  standby=_int_or(meta.get("standby"), 0) or 0,
                   summary=summary if isinstance(summary, dict) else None)
     if mode == "checkpoint_restart":
         return _load_cr(markers, **kwargs)
@@ -181,15 +182,37 @@ def _plain_processes(tl: Timeline, markers: list[dict]) -> None:
         changes += [(a.time, b.alive_processes) for a, b in zip(tl.commits, tl.commits[1:])]
         _set_processes(tl, changes)
         return
-    # a replica's processes are released at the first kill of one of its ranks
+    # a replica's processes are released at the first kill of one of its ranks (a marker's
+    # replica is a rank block: a standby's block is >= w_init); an idle standby lost, or one
+    # whose join was abandoned, at the commit of the step that records it (docs/rejoin.md)
+    events = [(float(m["time"]), r) for m, r in zip(markers, replicas)]
+    if tl.standby:
+        events += _standby_releases(tl)
     dead: set = set()
     changes = [(tl.t0, full)]
-    for m, r in zip(markers, replicas):
+    for t, r in sorted(events, key=lambda e: e[0]):
         if r in dead:
             continue
         dead.add(r)
-        changes.append((max(float(m["time"]), tl.t0), full - len(dead) * tl.processes_per_replica))
+        changes.append((max(t, tl.t0), full - len(dead) * tl.processes_per_replica))
     _set_processes(tl, changes)
+
+
+def _standby_releases(tl: Timeline) -> list[tuple[float, int]]:
+    """(commit time, rank block) of each standby a step record reports gone: extra.standbys_lost
+    (lost while idle) and extra.joins with outcome abandoned (the standby leaves)."""
+    from recover_hsdp.record.steps import merge_steps
+
+    out = []
+    for step, rec in merge_steps(tl.run_dir).steps.items():
+        t = _commit_time(tl, step)
+        ex = rec.extra or {}
+        if t is None or not isinstance(ex, dict):
+            continue
+        out += [(t, _int_or(b, -1)) for b in ex.get("standbys_lost") or ()]
+        out += [(t, _int_or(j.get("standby"), -1)) for j in ex.get("joins") or ()
+                if isinstance(j, dict) and j.get("outcome") == "abandoned"]
+    return out
 
 
 def _commit_time(tl: Timeline, step: int) -> float | None:

@@ -47,6 +47,7 @@ class Timeline:
     w_init: int
     processes_per_replica: int
     ckpt_interval: int | None = None
+    standby: int = 0              # idle hot standbys launched too (docs/rejoin.md): allocated
     kill_steps: list[int | None] = field(default_factory=list)   # step each kill landed in
     attempts: list[dict] = field(default_factory=list)           # checkpoint-restart only
     meta: dict = field(default_factory=dict)
@@ -58,7 +59,7 @@ class Timeline:
     # -- processes allocated over time -------------------------------------------------------
     @property
     def initial_processes(self) -> int:
-        return self.w_init * self.processes_per_replica
+        return (self.w_init + self.standby) * self.processes_per_replica
 
     def processes(self, t: float) -> int:
         """Processes allocated at unix time t (right-continuous step function)."""
@@ -108,7 +109,8 @@ class Timeline:
                 "last_step": max(c.step for c in self.commits) if self.commits else None,
                 "tokens": self.tokens, "process_hours": self.process_hours,
                 "w_init": self.w_init, "processes_per_replica": self.processes_per_replica,
-                "ckpt_interval": self.ckpt_interval, "kills": self.kills,
+                "ckpt_interval": self.ckpt_interval, "standby": self.standby,
+                "kills": self.kills,
                 "kill_steps": self.kill_steps, "processes": self.process_changes,
                 "breakdown": self.breakdown, "attempts": self.attempts}
 

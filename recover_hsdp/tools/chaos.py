@@ -9,8 +9,16 @@ all: down to one replica), and at random wall-clock moments while the run trains
 * raise - SIGUSR1, which makes the rank's main thread raise InjectedFault (a Python error:
           the rank must turn it into a fail-stop).
 
+With `--standby K` (hot standbys, docs/rejoin.md) the run has K idle standby replicas and the
+victims are drawn from all W + K rank blocks (at most W - 1 of the W first ones, so a replica
+always survives: a standby adds a slot when it is promoted and takes it away when it dies), and
+half of the faults after the first one fire right after the commit that follows the previous
+fault, i.e. at the step boundary where the lost slot's join runs: they land on standbys (idle or
+healing), on joins (the sender, the newcomer) and on promoted standbys.
+
 A run passes when it ends within `--run-timeout` with every step committed, the faulted replicas
-reported lost, and `recover-hsdp verify` OK. Reported: runs, faults by kind, steps committed,
+reported lost (a standby block: lost idle, its join abandoned, or the slot it was promoted to
+lost), and `recover-hsdp verify` OK. Reported: runs, faults by kind, steps committed,
 hangs (runs that hit the bound: must be 0), and per kind the detection time (stop: watchdog
 verdict; raise: the rank's error record; kill: by construction ~0, ULFM sees it in ms) and the
 recovery time (inject -> the survivors' commit of the step that records the loss), median / max.
@@ -71,9 +79,10 @@ def _committed(run_dir: Path) -> int:
 def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
     W, S, steps = args.replicas, rng.choice(args.shard_size), args.steps
     run_dir = out / f"run{i:04d}"
-    n_faults = rng.randint(1, min(args.faults, W - 1)) if args.faults > 0 else 0
-    victims = rng.sample(range(W), n_faults)
+    K = args.standby
+    victims = _victims(rng, W, K, args.faults)
     kinds = [rng.choice(args.kinds) for _ in victims]
+    at_join = [i > 0 and K > 0 and rng.random() < 0.5 for i in range(len(victims))]
     env = dict(os.environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
     env.pop("OMPI_COMM_WORLD_RANK", None)
     env.pop("RECOVER_HSDP_WORKER_FN", None)
@@ -81,7 +90,8 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
            f"parallel.shard_size={S}", f"parallel.grad_accum={args.grad_accum}",
            f"run.steps={steps}", f"run.output_dir={run_dir}", "run.overwrite=true",
            f"run.hang_timeout_s={args.hang_timeout}", f"run.heartbeat_s={args.heartbeat}",
-           f"run.seed={i}", *SMALL, *args.overrides]
+           f"run.seed={i}", *([f"parallel.standby={K}"] if K else []), *SMALL,
+           *args.overrides]
     log = open(out / f"run{i:04d}.log", "w")
     t0 = time.time()
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -91,7 +101,7 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
     # wall-clock moment by waiting for that many commits plus a random fraction of a step)
     marks = sorted(rng.uniform(1, steps * 0.8) for _ in victims)
     hung = False
-    pending = list(zip(marks, victims, kinds))
+    pending = list(zip(marks, victims, kinds, at_join))
     last_n, last_t, step_s = 0, time.time(), 1.0
     while p.poll() is None:
         if time.time() - t0 > args.run_timeout:
@@ -108,25 +118,64 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
             if last_n:
                 step_s = (time.time() - last_t) / max(1, n - last_n)
             last_n, last_t = n, time.time()
+        if pending and pending[0][3] and faults:     # at the boundary after the last fault
+            pending[0] = (faults[-1]["at_step"] + 1, *pending[0][1:3], "boundary")
         if pending and n >= int(pending[0][0]):
-            mark, rep, kind = pending.pop(0)
-            time.sleep(rng.uniform(0, step_s))  # a random moment inside the step
+            mark, rep, kind, when = pending.pop(0)
+            if when != "boundary":
+                time.sleep(rng.uniform(0, step_s))  # a random moment inside the step
             g = rep * S + rng.randrange(S)
             pid = _pids(run_dir).get(g)
             if pid:
                 try:
                     os.kill(pid, _SIG[kind])
                     faults.append({"kind": kind, "rank": g, "replica": rep, "pid": pid,
-                                   "t": time.time(), "at_step": n})
+                                   "t": time.time(), "at_step": n,
+                                   **({"at": "boundary"} if when == "boundary" else {})})
                 except ProcessLookupError:
                     pass
         time.sleep(0.05)
     p.wait()
     log.close()
     res = {"run": i, "dir": str(run_dir), "rc": p.returncode, "hung": hung, "faults": faults,
-           "wall_s": time.time() - t0, "steps": steps, "replicas": W, "shard_size": S}
+           "wall_s": time.time() - t0, "steps": steps, "replicas": W, "shard_size": S,
+           **({"standby": K} if K else {})}
     _judge(res, run_dir, W, S)
     return res
+
+
+def _victims(rng: random.Random, W: int, K: int, faults: int) -> list[int]:
+    """Distinct rank blocks to fault: at most W - 1 of the replicas' blocks 0..W-1 (a replica
+    always survives), any of the standbys' blocks W..W+K-1."""
+    if faults <= 0:
+        return []
+    n = rng.randint(1, min(faults, W - 1 + K))
+    while True:
+        v = rng.sample(range(W + K), n)
+        if sum(b < W for b in v) <= W - 1:
+            return v
+
+
+def _lost_blocks(rec) -> dict[int, int]:
+    """Rank block -> the first step whose record reports it lost: a replica slot's block at the
+    time of its loss (slot r is block r until a standby takes it), an idle standby lost
+    (extra.standbys_lost), a standby whose join was abandoned (it leaves; listed in the step
+    after the attempt)."""
+    block: dict[int, int] = {}
+    lost: dict[int, int] = {}
+    for s in sorted(rec.steps):
+        ex = rec.steps[s].extra or {}
+        for j in ex.get("joins") or ():      # attempts before step s
+            if j.get("outcome") == "joined":
+                block[int(j["replica"])] = int(j["standby"])
+            else:
+                lost.setdefault(int(j["standby"]), s)
+        for b in ex.get("standbys_lost") or ():
+            lost.setdefault(int(b), s)
+        for f in rec.steps[s].failures:
+            for r in f.get("replicas", []):
+                lost.setdefault(block.get(int(r), int(r)), s)
+    return lost
 
 
 def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
@@ -138,16 +187,14 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
         res.update(ok=False, reason=f"no run record: {e}", committed=0)
         return
     res["committed"] = len([s for s in rec.steps if 0 <= s < res["steps"]])
-    lost = {r for s in rec.steps.values() for f in s.failures for r in f.get("replicas", [])}
+    lost = _lost_blocks(rec)
+    res["joins"] = [j for s in sorted(rec.steps) for j in (rec.steps[s].extra or {}).get("joins")
+                    or ()]
     # times: when did the survivors commit the step recording each lost replica
     for f in res["faults"]:
-        rep = f["replica"]
-        t_rec = None
-        for s in sorted(rec.steps):
-            if any(rep in ff.get("replicas", []) for ff in rec.steps[s].failures):
-                t_rec = min((float(v.get("time", 0)) for v in rec.local.get(s, {}).values()),
-                            default=None)
-                break
+        s = lost.get(f["replica"])
+        t_rec = None if s is None else min(
+            (float(v.get("time", 0)) for v in rec.local.get(s, {}).values()), default=None)
         f["recovery_s"] = None if t_rec is None else t_rec - f["t"]
         det = None
         if f["kind"] == "stop":
@@ -165,7 +212,7 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
     res["false_detections"] = [int(p.name[len("hung.rank"):-len(".json")]) for p in hung_files
                                if int(p.name[len("hung.rank"):-len(".json")]) not in stopped]
     complete = res["committed"] == res["steps"]
-    missing = {f["replica"] for f in res["faults"]} - lost
+    missing = {f["replica"] for f in res["faults"]} - set(lost)
     ok = complete and not res["hung"] and not missing
     reason = ""
     if res["hung"]:
@@ -207,6 +254,14 @@ def report(results: list[dict]) -> str:
              f"{sum(r['steps'] for r in results)}",
              f"false hang detections: {sum(len(r.get('false_detections', [])) for r in results)}",
              "faults: " + ", ".join(f"{k} {sum(f['kind'] == k for f in faults)}" for k in KINDS)]
+    with_k = [r for r in results if r.get("standby")]
+    if with_k:   # --standby: where the faults landed, what the joins did
+        on_k = sum(f["replica"] >= r["replicas"] for r in with_k for f in r["faults"])
+        joins = [j.get("outcome") for r in with_k for j in r.get("joins", ())]
+        lines.append(f"standbys: faults on standby blocks {on_k}, at a join boundary "
+                     f"{sum(f.get('at') == 'boundary' for r in with_k for f in r['faults'])}; "
+                     f"joins {joins.count('joined')} joined, {joins.count('abandoned')} "
+                     f"abandoned")
     for k in KINDS:
         fk = [f for f in faults if f["kind"] == k]
         if fk:
@@ -228,6 +283,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--faults", type=int, default=2, help="at most this many per run (< W)")
     ap.add_argument("--kinds", default="kill,stop,raise")
+    ap.add_argument("--standby", type=int, default=0,
+                    help="hot standbys per run (parallel.standby; docs/rejoin.md): faults also "
+                         "land on them and on joins")
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument("--heartbeat", type=float, default=1.0)
     ap.add_argument("--run-timeout", type=float, default=900.0)
@@ -248,6 +306,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"recover-hsdp chaos: --kinds must be from {','.join(KINDS)} (got {bad})",
               file=sys.stderr)
         return 2
+    if args.standby < 0:
+        print(f"recover-hsdp chaos: --standby must be >= 0 (got {args.standby})",
+              file=sys.stderr)
+        return 2
     if args.replicas < 2:
         print("recover-hsdp chaos: --replicas must be >= 2", file=sys.stderr)
         return 2
@@ -258,7 +320,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for i in range(args.runs):
         r = one_run(i, args, out, rng)
         results.append(r)
-        print(f"[chaos] run {i} (W={r['replicas']} S={r['shard_size']}): "
+        k = f"+{r['standby']}" if r.get("standby") else ""
+        print(f"[chaos] run {i} (W={r['replicas']}{k} S={r['shard_size']}): "
               f"{'OK' if r['ok'] else 'FAILED: ' + r['reason']}; "
               f"{r.get('committed', 0)}/{r['steps']} steps, faults "
               f"{[(f['kind'], f['rank']) for f in r['faults']]}, {r['wall_s']:.0f} s", flush=True)

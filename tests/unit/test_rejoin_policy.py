@@ -29,8 +29,14 @@ def test_standby_is_off_by_default_and_launches_extra_ranks():
     assert cfg.run.np == 8
     validate(cfg)
     check_world(cfg, 8)
-    with pytest.raises(TrainConfigError):
+    with pytest.raises(TrainConfigError, match=r"^\(parallel.replicas\(3\) \+ parallel.standby"
+                       r"\(1\)\) \* parallel.shard_size\(2\) = 8 != 6 ranks launched$"):
         check_world(cfg, 6)
+    cfg.run.np = 6                       # the error names the standbys the launch must hold
+    with pytest.raises(TrainConfigError, match=r"^\(parallel.replicas\(3\) \+ parallel.standby"
+                       r"\(1\)\) \* parallel.shard_size\(2\) = 8 != run.np\(6\) ranks to "
+                       r"launch$"):
+        validate(cfg)
 
 
 @pytest.mark.parametrize("overrides, message", [

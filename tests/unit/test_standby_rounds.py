@@ -66,7 +66,7 @@ def run(W, S, K, kills, *, steps=2, join_round_at=None, G=2):
             checkpoint("reduce")
             r = g.consensus()
             res.append(("step", tuple(r.failed_replicas), tuple(g.alive), tuple(g.pool),
-                        g.epoch))
+                        g.epoch, tuple(g.standbys_lost)))
             g.set_quiesce(False)
             t = torch.ones(2)
             assert g.rg.allreduce(t).ok
@@ -109,6 +109,7 @@ def test_standbys_follow_a_replica_loss(S):
     assert len(views) == 1
     view = views.pop()
     assert view[0][1:4] == ((1,), (0, 2), (W,))
+    assert view[0][5] == ()      # a replica's loss is not a standby's
     for g in standby:     # same alive set and pool; one round per consensus, then released
         rounds = out[g]
         assert rounds[0][2:4] == ((0, 2), (W,)) and rounds[0][4] == view[0][4]
@@ -123,6 +124,7 @@ def test_a_standby_death_is_no_policy_event():
     view = views.pop()
     assert view[0][1] == () and view[0][2] == (0, 1, 2) and view[0][3] == ()
     assert view[0][4] >= 1      # the world was repaired: the epoch moved (buckets re-reduced)
+    assert view[0][5] == (W,)   # reported lost (the step's extra.standbys_lost)
     assert not any(g >= W * S for g in out)   # both ranks of the standby are gone
 
 

@@ -246,3 +246,32 @@ def test_cr_kill_before_any_checkpoint(tmp_path, monkeypatch):
     b0 = load_timeline(d).breakdown[0]
     assert (b0["A"], b0["B"], b0["save"], b0["normal"]) == (2000.0, 2000.0, 0.0, 67.0)
     assert b0["total"] == approx(2115.0 - 2000.0)
+
+
+def test_standbys_count_as_allocated_until_lost(tmp_path, monkeypatch):
+    """W=2 + 2 standbys (blocks 2, 3), S=1, steps of 10 s from 1000 (step s commits at 1010+10s):
+    standby 3 lost idle in step 2 (extra.standbys_lost), replica 1 killed at 1045 (step 4), standby
+    2 takes slot 1 before step 5: 4 processes until 1030, 3 until 1045, 2 after (the promoted
+    standby stays allocated). Without meta.standby the standbys would not be counted at all."""
+    from recover_hsdp.record import RunRecorder, StepRecord
+    from tests.unit._runs import _fire
+
+    d = tmp_path / "k"
+    meta = {"w_init": 2, "g_init": 2, "B": 4, "shard_size": 1, "seed": 0, "policy": "static",
+            "standby": 2}
+    for rank in (0, 1):
+        rec = RunRecorder(d, rank, rank, 0, fsync=False)
+        rec.start(meta, {"run": {"steps": 8}}, [])
+        for s in range(8 if rank == 0 else 4):
+            extra = {2: {"standbys_lost": [3]},
+                     5: {"joins": [{"replica": 1, "standby": 2, "outcome": "joined"}]}}.get(s, {})
+            rec.commit(StepRecord(step=s, loss=1.0, tokens=TOK, alive=[0, 1] if s != 4 else [0],
+                                  divisor=4, extra=extra,
+                                  local={"time": 1010.0 + 10 * s, "wall_s": 10.0}))
+        rec.close()
+    _fire(d, 1, 1045.0, {"step": 4, "replica": 1, "local_rank": 0, "location": "reduce"},
+          monkeypatch)
+    tl = load_timeline(d)
+    assert tl.standby == 2 and tl.initial_processes == 4
+    assert tl.process_changes == [(1000.0, 4), (1030.0, 3), (1045.0, 2)]
+    assert tl.process_seconds(1000, 1090) == approx(4 * 30 + 3 * 15 + 2 * 45)
