@@ -82,3 +82,49 @@ def test_torch_class_is_used_where_the_shim_is_absent(monkeypatch):
             return getattr(torch.optim.SGD, _n)(self, *a, **k)
         monkeypatch.setattr(Plain, name, m)
     assert optim.eager_optimizer_class(Plain) is Plain
+
+
+def test_launcher_and_verify_paths_do_not_import_fsdp():
+    """The store (launcher) and the verifier's layout/comparison load torch but not FSDP
+    (~1.6 CPU-s); the manager still loads on first use."""
+    out = _run(r"""
+import json, sys
+from recover_hsdp.hsdp.topology import serve_store
+from recover_hsdp.verify.compare import _Comparator
+from recover_hsdp.verify.spec import RunSpec
+from recover_hsdp.hsdp.layout import PARAM_PADDING_VALUE, flat_shard_from_full
+before = "torch.distributed.fsdp" in sys.modules
+from recover_hsdp.hsdp import HSDPULFMTrainingManager
+from torch.distributed.fsdp._flat_param import _FLAT_PARAM_PADDING_VALUE
+print(json.dumps({"before": before, "after": "torch.distributed.fsdp" in sys.modules,
+                  "pad": [PARAM_PADDING_VALUE, float(_FLAT_PARAM_PADDING_VALUE)]}))
+""")
+    assert out["before"] is False, "the launcher/verify imports pulled in FSDP"
+    assert out["after"] is True
+    assert out["pad"][0] == out["pad"][1]   # the constant is torch's value
+
+
+def test_cli_fast_exit_runs_atexit_and_flushes(tmp_path):
+    """`recover-hsdp`'s exit skips the interpreter teardown but keeps the exit code, the atexit
+    handlers and buffered output; with a live non-daemon thread it leaves the normal way."""
+    code = r"""
+import atexit, sys, threading, torch
+from recover_hsdp import cli
+atexit.register(lambda: print("atexit ran", flush=True))
+print("buffered line", end="")
+if sys.argv[1] == "thread":
+    ev = threading.Event()
+    threading.Thread(target=ev.wait, args=(0.5,)).start()
+    rc = cli._fast_exit(5)
+    print(" returned", rc)
+    sys.exit(rc)
+cli._fast_exit(3)
+print("not reached")
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for arg, want_rc, want in (("plain", 3, "buffered lineatexit ran\n"),
+                               ("thread", 5, "buffered line returned 5\natexit ran\n")):
+        p = subprocess.run([sys.executable, "-c", code, arg], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=240)
+        assert p.returncode == want_rc and p.stdout == want, (arg, p.returncode, p.stdout,
+                                                              p.stderr[-2000:])
