@@ -27,7 +27,40 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:        # the process's entry (console script, python -m): leave fast
+        return _fast_exit(_main(list(sys.argv[1:])))
+    return _main(list(argv))
+
+
+def _fast_exit(rc: int) -> int:
+    """Exit with ``rc`` without the interpreter's teardown once torch is loaded.
+
+    Tearing down torch's module graph costs 1.5-2 CPU-s per process (measured: import
+    torch.distributed.fsdp then exit, 6.6-7.0 s user vs 4.5-5.3 s with os._exit), paid by every
+    `recover-hsdp train` launcher and `recover-hsdp verify`. Everything a normal exit does that
+    matters still happens: the atexit handlers run (logging flushes its handlers there) and
+    stdout/stderr are flushed. Files are closed where they are written, and an exit code of a
+    process with other live non-daemon threads is left to the normal path (which waits for them).
+    """
+    import threading
+
+    if "torch" not in sys.modules or any(
+            t.is_alive() and not t.daemon and t is not threading.main_thread()
+            for t in threading.enumerate()):
+        return rc
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2

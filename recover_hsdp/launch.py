@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join([find_mpirun()] + base_mpirun_args(int(argv[1]))))
         return 0
     if argv[0] == "store" and len(argv) <= 2:
-        from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+        from recover_hsdp.hsdp.topology import serve_store
 
         host = argv[1] if len(argv) == 2 else default_store_host()
         done = threading.Event()

@@ -196,9 +196,77 @@ def build_optimizer(named_params: Iterable[Tuple[str, Any]], cfg: Any):
     if not groups[0]["params"] and not groups[1]["params"]:
         raise ValueError("build_optimizer: no trainable parameters")
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.0)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+        return eager_optimizer_class(torch.optim.SGD)(groups, lr=cfg.lr, momentum=0.0)
+    return eager_optimizer_class(torch.optim.AdamW)(
+        groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
+        weight_decay=cfg.weight_decay)
+
+
+#: The torch.optim.Optimizer methods torch wraps in a shim whose first call imports
+#: torch._dynamo (``torch._disable_dynamo``, and ``_use_grad_for_differentiable`` on ``step``).
+_DYNAMO_SHIMMED = ("step", "add_param_group", "zero_grad", "state_dict", "load_state_dict")
+_EAGER: dict = {}
+
+
+def eager_optimizer_class(base):
+    """``base`` (a torch.optim class) minus torch's lazy import of torch._dynamo; same arithmetic.
+
+    torch wraps ``step`` (``_use_grad_for_differentiable``) and ``add_param_group``,
+    ``zero_grad``, ``state_dict``, ``load_state_dict`` (``torch._disable_dynamo``) in shims that
+    import torch._dynamo on their first call, only to tell torch.compile not to trace them: in
+    a process that never compiles that import is pure start-up cost (~1.2 CPU-s per process,
+    ~14 s of wall time per rank at load 15 on the 2-core box; docs/faults.md "Cost of one soak
+    run"). The subclass calls the same undecorated torch functions (``__wrapped__``), with
+    ``step`` under ``torch.set_grad_enabled(defaults["differentiable"])`` exactly as the shim
+    does (its ``graph_break`` calls are no-ops outside torch.compile); the optimizer's step
+    hooks and profiler label still apply. Inside torch.compile every method defers to torch's
+    own. A torch whose methods are not shimmed this way gets ``base`` itself.
+    """
+    import inspect
+
+    import torch
+
+    if base in _EAGER:
+        return _EAGER[base]
+    raw = {}
+    for name in _DYNAMO_SHIMMED:
+        shim = getattr(base, name)
+        fn = inspect.unwrap(shim)
+        if fn is shim or not fn.__module__.startswith("torch.optim"):
+            _EAGER[base] = base      # not the shim this works around: use torch's class as is
+            return base
+        raw[name] = fn
+
+    def _compiling() -> bool:
+        return torch.compiler.is_compiling()
+
+    def step(self, closure=None):
+        if _compiling():
+            return getattr(base, "step")(self, closure)
+        prev = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return raw["step"](self, closure)
+        finally:
+            torch.set_grad_enabled(prev)
+
+    def _plain(name: str):
+        def method(self, *args, **kwargs):
+            if _compiling():
+                return getattr(base, name)(self, *args, **kwargs)
+            return raw[name](self, *args, **kwargs)
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = raw[name].__doc__
+        return method
+
+    ns = {name: _plain(name) for name in _DYNAMO_SHIMMED if name != "step"}
+    ns.update(step=step, __module__=__name__,
+              __doc__=f"torch.optim.{base.__name__} without the lazy torch._dynamo import "
+                      f"(recover_hsdp.optim.eager_optimizer_class)")
+    cls = type(f"Eager{base.__name__}", (base,), ns)
+    globals()[cls.__name__] = cls       # picklable by name, like torch's own classes
+    _EAGER[base] = cls
+    return cls
 
 
 def lr_at(step: int, cfg: Any) -> float:

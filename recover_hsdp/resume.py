@@ -213,7 +213,7 @@ def run_resilient(job) -> JobResult:
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
-    from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+    from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launch import default_store_host, run_job
     from recover_hsdp.record import RecordError, read_run
     from recover_hsdp.record.checkpoint import (append_segment, latest_complete,

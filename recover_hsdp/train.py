@@ -223,7 +223,7 @@ def launch_job(job: Job) -> JobResult:
     """Write the resolved config, host the store, run mpirun, judge the run directory."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+    from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launch import default_store_host, run_job
 
     if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure

@@ -117,7 +117,7 @@ def run_checkpoint_restart(job) -> Any:
     """Run a ``baseline=checkpoint_restart`` job to completion; return jobs.JobResult."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+    from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launch import ENV_WORKER_FN, default_store_host, run_job
     from recover_hsdp.record import JsonlAppender, write_summary
 

@@ -159,7 +159,7 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
     import yaml
 
     from recover_hsdp import launch as L
-    from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+    from recover_hsdp.hsdp.topology import serve_store
 
     cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))

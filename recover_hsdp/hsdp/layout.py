@@ -10,8 +10,6 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from recover_hsdp.hsdp.buckets import flat_param_handles
-
 
 # --------------------------------------------------------------------------------------------
 # Layout: rebuild any rank's flat shards from a plain model, in one process
@@ -24,8 +22,11 @@ def _param_padding_value() -> float:
     return float(_FLAT_PARAM_PADDING_VALUE)
 
 
-#: Value FSDP writes into the padding inside flat PARAMETERS (gradients pad with 0).
-PARAM_PADDING_VALUE: float = _param_padding_value()
+#: Value FSDP writes into the padding inside flat PARAMETERS (gradients pad with 0): torch's
+#: ``_FLAT_PARAM_PADDING_VALUE`` (42 in torch 2.11-2.13), a constant here so that the verifier
+#: does not import FSDP (~1.6 CPU-s); every training rank checks it against the installed torch
+#: when it imports the wrapping code (recover_hsdp.hsdp.wrapping), before it writes a snapshot.
+PARAM_PADDING_VALUE: float = 42.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,8 @@ class FlatParamLayout:
 def parameter_layout(fsdp_module: nn.Module) -> list[FlatParamLayout]:
     """Layout of every FSDP unit's flat parameter (bucket order), JSON-able via ``to_dict``."""
     out = []
+    from recover_hsdp.hsdp.buckets import flat_param_handles
+
     for index, (prefix, handle) in enumerate(flat_param_handles(fsdp_module)):
         fp = handle.flat_param
         offsets, pos = [], 0
@@ -141,5 +144,7 @@ def local_flat_shards(fsdp_module: nn.Module) -> list[torch.Tensor]:
     """This rank's flat parameter shards (padded), bucket order -- what a rank saves for the verifier."""
     # Idle FSDP keeps flat_param's data = the fp32 local shard (_local_shard once lazily
     # initialised; before the first forward it is the same storage, just not yet named).
+    from recover_hsdp.hsdp.buckets import flat_param_handles
+
     return [getattr(h.flat_param, "_local_shard", h.flat_param).detach()
             for _, h in flat_param_handles(fsdp_module)]

@@ -59,6 +59,21 @@ from recover_hsdp.hsdp._torch_compat import check_fsdp_internals  # noqa: E402
 check_fsdp_internals(UnsupportedTorchError)  # every private FSDP1 name used here, at import
 
 
+def check_param_padding_value() -> None:
+    """The layout's PARAM_PADDING_VALUE (a constant, so verify needs no FSDP) is torch's."""
+    from torch.distributed.fsdp._flat_param import _FLAT_PARAM_PADDING_VALUE
+
+    from recover_hsdp.hsdp.layout import PARAM_PADDING_VALUE
+
+    if float(_FLAT_PARAM_PADDING_VALUE) != PARAM_PADDING_VALUE:
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__} pads flat parameters with {_FLAT_PARAM_PADDING_VALUE!r}, "
+            f"recover_hsdp.hsdp.layout.PARAM_PADDING_VALUE is {PARAM_PADDING_VALUE!r}: update it")
+
+
+check_param_padding_value()  # before any rank writes a snapshot the verifier compares
+
+
 # --------------------------------------------------------------------------------------------
 # The no-op replicate group handed to FSDP
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ class _Comparator:
     def __init__(self, spec: RunSpec, rel_floor: float, all_copies: bool = True):
         import torch
 
-        from recover_hsdp.hsdp.fsdp_hybrid import PARAM_PADDING_VALUE, flat_shard_from_full
+        from recover_hsdp.hsdp.layout import PARAM_PADDING_VALUE, flat_shard_from_full
 
         self.torch = torch
         self.spec = spec

@@ -109,7 +109,7 @@ class RunSpec:
         kind, kind_src = _policy_kind(config, meta)
 
         from recover_hsdp.data import DataConfig, DataConfigError, Tokenizer
-        from recover_hsdp.hsdp.fsdp_hybrid import FlatParamLayout
+        from recover_hsdp.hsdp.layout import FlatParamLayout
         from recover_hsdp.model import ConfigError, ModelConfig
         from recover_hsdp.optim import OptimConfig, OptimConfigError
 

@@ -40,8 +40,8 @@ import torch
 
 from recover_hsdp.data import DataConfig, Tokenizer, build_microbatch_source
 from recover_hsdp.data.documents import EMBEDDED_CORPUS
-from recover_hsdp.hsdp.fsdp_hybrid import (PARAM_PADDING_VALUE, FlatParamLayout, ParamSlot,
-                                           flat_shard_from_full)
+from recover_hsdp.hsdp.layout import (PARAM_PADDING_VALUE, FlatParamLayout, ParamSlot,
+                                    flat_shard_from_full)
 from recover_hsdp.model import ModelConfig, build_model, decoder_blocks, next_token_loss
 from recover_hsdp.policy import AdaptiveWorldPolicy, DataAssignment, StaticWorldPolicy
 from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
