@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import read_run
-from tests.e2e._launch import REPO, mpirun_prefix, run_with_store
+from tests.e2e._launch import REPO, mpirun_prefix, one_thread, run_with_store
 
 pytestmark = [pytest.mark.mpi]
 
@@ -60,7 +60,8 @@ def _verify(run_dir: Path) -> None:
     calls; a second python would re-import torch for nothing)."""
     from recover_hsdp.verify import verify_run
 
-    res = verify_run(run_dir)
+    with one_thread():
+        res = verify_run(run_dir)
     assert res.exit_code == 0, res.message
 
 
