@@ -6,6 +6,7 @@ and mpirun exits 0 after SIGKILLs).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,21 @@ import yaml
 from recover_hsdp.hsdp.fsdp_hybrid import serve_store
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Replay verify in this process on ONE torch thread: its matmuls are tiny, and two spinning
+    intra-op threads on a loaded 2-core box made one W4S2 replay 105 s instead of 13 s (local
+    measurement, load ~15). The previous setting is restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def mpirun_prefix(n: int) -> list[str]:

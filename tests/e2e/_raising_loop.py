@@ -1,8 +1,9 @@
-"""A custom loop over HSDPULFMTrainingManager in which one rank's user code raises.
+"""A custom loop over HSDPULFMTrainingManager in which the named ranks' user code raises.
 
-    python tests/e2e/_raising_loop.py OUT_DIR W S RAISE_RANK WHERE RAISE_STEP STEPS
-WHERE: microbatch_fn | loss_fn | optimizer (the optimizer step raises). Every rank that finishes
-writes OUT_DIR/result.rank{g}.json; errors go to OUT_DIR/errors/ (RECOVER_HSDP_RUN_DIR).
+    python tests/e2e/_raising_loop.py OUT_DIR W S FAULTS STEPS
+FAULTS: comma-separated RANK:WHERE:STEP (global rank, where it raises, at which step), WHERE:
+microbatch_fn | loss_fn | optimizer (the optimizer step raises). Every rank that finishes writes
+OUT_DIR/result.rank{g}.json; errors go to OUT_DIR/errors/ (RECOVER_HSDP_RUN_DIR).
 """
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from recover_hsdp.model import ModelConfig, build_model, fsdp_wrap_policy, next_
 
 
 def main() -> None:
-    out, W, S, bad_rank, where, bad_step, steps = (sys.argv[1], *map(int, sys.argv[2:5]),
-                                                   sys.argv[5], *map(int, sys.argv[6:8]))
+    out, W, S, faults, steps = (sys.argv[1], *map(int, sys.argv[2:4]), sys.argv[4],
+                                int(sys.argv[5]))
     os.environ["RECOVER_HSDP_RUN_DIR"] = out
     torch.set_num_threads(1)
     rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
     data_cfg = DataConfig(seq_len=32, micro_batch_size=2 * S)
     sources: dict[int, object] = {}
     state = {"step": 0}
-    me = rank == bad_rank
+    mine = {w: int(st) for g, w, st in (f.split(":") for f in faults.split(",")) if int(g) == rank}
+    me = bool(mine)
+    where, bad_step = (next(iter(mine.items())) if me else ("", -1))
 
     def microbatch_fn(replica: int, mb_id: int):
         if me and where == "microbatch_fn" and state["step"] == bad_step:
