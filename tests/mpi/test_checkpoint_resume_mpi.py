@@ -113,13 +113,24 @@ def _kill_family(pid: int) -> None:
             pass
 
 
-def _wait_for_segment(proc: subprocess.Popen, run_dir: Path, k: int, timeout: float) -> None:
+def _segment_start(run_dir: Path, k: int) -> dict | None:
+    for line in _read(run_dir / "segments.jsonl").splitlines():
+        try:
+            x = json.loads(line)
+        except ValueError:          # a line being written
+            continue
+        if x.get("event") == "start" and x.get("segment") == k:
+            return x
+    return None
+
+
+def _wait_for_segment(proc: subprocess.Popen, run_dir: Path, k: int, timeout: float) -> dict:
     t0 = time.monotonic()
-    while not any(json.loads(x).get("event") == "start" and json.loads(x).get("segment") == k
-                  for x in _read(run_dir / "segments.jsonl").splitlines() if x.strip()):
+    while (got := _segment_start(run_dir, k)) is None:
         assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
         assert time.monotonic() - t0 < timeout, f"segment {k} not started in {timeout} s"
         time.sleep(0.3)
+    return got
 
 
 def _read(p: Path) -> str:
@@ -127,6 +138,11 @@ def _read(p: Path) -> str:
         return p.read_text()
     except OSError:
         return ""
+
+
+def _complete(run_dir: Path) -> list[int]:
+    return sorted(int(c.parent.name[5:])
+                  for c in (run_dir / "checkpoints").glob("step_*/COMPLETE"))
 
 
 CHAIN_STEPS = 14
@@ -157,8 +173,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
             _kill_family(proc.pid)
             proc.wait(60)
     got["a_rc"] = proc.returncode
-    got["a_ckpts"] = sorted(int(c.parent.name[5:]) for c in
-                            (out / "checkpoints").glob("step_*/COMPLETE"))
+    got["a_ckpts"] = _complete(out)
     assert got["a_rc"] == 4 and got["a_ckpts"], got["a_text"][-4000:]
     stop = max(got["a_ckpts"])
     assert stop + 6 < CHAIN_STEPS, f"SIGUSR1 checkpoint at step {stop}: too late for the chain"
@@ -167,6 +182,11 @@ def interrupted_chain(tmp_path_factory) -> dict:
     proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp)
     try:
         _wait_for_step(proc, out, stop + 3, timeout=300)
+        t0 = time.monotonic()       # and for a checkpoint of its own (async saves lag a step)
+        while max(_complete(out)) <= stop:
+            assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
+            assert time.monotonic() - t0 < 120, "no checkpoint past the SIGUSR1 one in 120 s"
+            time.sleep(0.3)
     finally:
         _kill_family(proc.pid)
         got["b_text"], _ = proc.communicate(timeout=60)
@@ -174,8 +194,8 @@ def interrupted_chain(tmp_path_factory) -> dict:
 
     proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp)
     try:
-        _wait_for_segment(proc, out, 2, timeout=300)     # steps past its checkpoint moved away
-        _wait_for_step(proc, out, stop + 5, timeout=300)
+        resumed = _wait_for_segment(proc, out, 2, timeout=300)  # lines past it moved away
+        _wait_for_step(proc, out, max(stop + 5, int(resumed["resume_step"]) + 1), timeout=300)
         for p in _workers(proc.pid):
             os.kill(p, signal.SIGKILL)
         got["c_text"], _ = proc.communicate(timeout=500)
