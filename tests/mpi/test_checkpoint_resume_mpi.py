@@ -17,11 +17,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# each test is two or three launches plus an exact replay (verify): 600 s each, measured
-# 160-300 s on the shared 2-core box
+# each test is two launches plus an exact replay (verify), the chain (three tests) three
+# launches and one verify: 600 s each, 900 s for the chain's first test (the fixture)
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
-SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.save_params_every=1"]
+# llama_debug narrowed to d_model 32 (2 blocks, tied 4096 x 32 embedding): what these tests prove
+# (records, checkpoints, resharding, data cursors, exact replay) does not depend on the width, and
+# verify's replay and strict check cost scales with it
+TINY_MODEL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=96"]
+SMALL = [*TINY_MODEL, "parallel.seq_len=16", "parallel.micro_batch_size=1",
+         "run.save_params_every=1"]
 
 
 def _env() -> dict:
@@ -99,29 +104,147 @@ def _check_one_run(run_dir: Path, steps: int, tmp: Path) -> dict:
     return {"record": rec}
 
 
-def test_sigkill_launcher_mid_run_then_resume(tmp_path):
-    """Checkpoint every 2 steps; SIGKILL the launcher after step 4 (and its orphaned mpirun job,
-    as Slurm would); run.resume=true finishes: every step committed once, verify OK."""
-    out = tmp_path / "run"
-    args = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
-            "run.steps=7", "run.ckpt_interval=2", f"run.output_dir={out}", *SMALL]
-    proc = _start("train", *args, cwd=tmp_path)
+def _kill_family(pid: int) -> None:
+    """SIGKILL a launcher and everything under it (its orphaned mpirun job, as Slurm would)."""
+    for p in [pid, *_descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _segment_start(run_dir: Path, k: int) -> dict | None:
+    for line in _read(run_dir / "segments.jsonl").splitlines():
+        try:
+            x = json.loads(line)
+        except ValueError:          # a line being written
+            continue
+        if x.get("event") == "start" and x.get("segment") == k:
+            return x
+    return None
+
+
+def _wait_for_segment(proc: subprocess.Popen, run_dir: Path, k: int, timeout: float) -> dict:
+    t0 = time.monotonic()
+    while (got := _segment_start(run_dir, k)) is None:
+        assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() - t0 < timeout, f"segment {k} not started in {timeout} s"
+        time.sleep(0.3)
+    return got
+
+
+def _read(p: Path) -> str:
     try:
-        _wait_for_step(proc, out, 4, timeout=300)
-        family = _descendants(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        for p in family:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        return p.read_text()
+    except OSError:
+        return ""
+
+
+def _complete(run_dir: Path) -> list[int]:
+    return sorted(int(c.parent.name[5:])
+                  for c in (run_dir / "checkpoints").glob("step_*/COMPLETE"))
+
+
+CHAIN_STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def interrupted_chain(tmp_path_factory) -> dict:
+    """ONE run interrupted three ways, each resumed by the next launch (one verify for the three
+    instead of three runs; W=2, S=1, G=2):
+      launch A (checkpoints only on request): SIGUSR1 to the launcher after step 1 -> the ranks
+        checkpoint at the agreed step T and leave, exit code 4;
+      launch B (run.resume=true, a checkpoint every 2 steps from here on): past step T+3 the
+        launcher is SIGKILLed with its orphaned mpirun job (as Slurm would);
+      launch C (run.resume=true): past step T+5 every rank is SIGKILLed; the launcher relaunches
+        at full width from the newest checkpoint and finishes the run (exit 0)."""
+    tmp = tmp_path_factory.mktemp("chain")
+    out = tmp / "run"
+    args = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
+            f"run.steps={CHAIN_STEPS}", "run.max_restarts=2", f"run.output_dir={out}", *SMALL]
+    got: dict = {"out": out}
+    proc = _start("train", *args, "run.ckpt_interval=100", cwd=tmp)
+    try:
+        _wait_for_step(proc, out, 1, timeout=300)
+        proc.send_signal(signal.SIGUSR1)
+        got["a_text"], _ = proc.communicate(timeout=300)
     finally:
-        proc.wait(60)
-    assert not (out / "summary.json").exists()
-    p = _cli("train", *args, "run.resume=true", cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    assert "resumed from" in p.stdout
-    _check_one_run(out, 7, tmp_path)
+        if proc.poll() is None:
+            _kill_family(proc.pid)
+            proc.wait(60)
+    got["a_rc"] = proc.returncode
+    got["a_ckpts"] = _complete(out)
+    assert got["a_rc"] == 4 and got["a_ckpts"], got["a_text"][-4000:]
+    stop = max(got["a_ckpts"])
+    assert stop + 6 < CHAIN_STEPS, f"SIGUSR1 checkpoint at step {stop}: too late for the chain"
+    summary_before = _read(out / "summary.json")
+
+    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp)
+    try:
+        _wait_for_step(proc, out, stop + 3, timeout=300)
+        t0 = time.monotonic()       # and for a checkpoint of its own (async saves lag a step)
+        while max(_complete(out)) <= stop:
+            assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
+            assert time.monotonic() - t0 < 120, "no checkpoint past the SIGUSR1 one in 120 s"
+            time.sleep(0.3)
+    finally:
+        _kill_family(proc.pid)
+        got["b_text"], _ = proc.communicate(timeout=60)
+    got["summary_untouched"] = _read(out / "summary.json") == summary_before
+
+    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp)
+    try:
+        resumed = _wait_for_segment(proc, out, 2, timeout=300)  # lines past it moved away
+        _wait_for_step(proc, out, max(stop + 5, int(resumed["resume_step"]) + 1), timeout=300)
+        for p in _workers(proc.pid):
+            os.kill(p, signal.SIGKILL)
+        got["c_text"], _ = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            _kill_family(proc.pid)
+            proc.wait(60)
+    got["c_rc"] = proc.returncode
+    assert got["c_rc"] == 0, got["c_text"][-4000:]
+    got.update(_check_one_run(out, CHAIN_STEPS, tmp))   # every step once; verify passes
+    got["starts"] = [x for x in map(json.loads, (out / "segments.jsonl").read_text()
+                                    .splitlines()) if x["event"] == "start"]
+    return got
+
+
+@pytest.mark.timeout(900)
+def test_sigusr1_saves_exits_4_then_resumes(interrupted_chain):
+    """SIGUSR1 to the launcher: the ranks checkpoint at an agreed step and leave; exit code 4;
+    run.resume=true continues from that checkpoint (launch B), the run completes (launch C)."""
+    c = interrupted_chain
+    assert c["a_rc"] == 4, c["a_text"][-4000:]
+    assert "the ranks checkpoint at step" in c["a_text"], c["a_text"][-4000:]
+    assert c["a_ckpts"], "no complete checkpoint after SIGUSR1"
+    assert c["starts"][1]["reason"] == "resume"
+    assert c["starts"][1]["resume_step"] == max(c["a_ckpts"])
+    assert sorted(c["record"].steps) == list(range(CHAIN_STEPS))
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_launcher_mid_run_then_resume(interrupted_chain):
+    """Checkpoint every 2 steps; SIGKILL the launcher mid-run (and its orphaned mpirun job, as
+    Slurm would); run.resume=true finishes: every step committed once, verify OK."""
+    c = interrupted_chain
+    assert c["summary_untouched"], "the SIGKILLed launch wrote summary.json"
+    assert "resumed from" in c["c_text"], c["c_text"][-3000:]
+    assert c["starts"][2]["reason"] == "resume"
+    assert c["starts"][2]["resume_step"] > max(c["a_ckpts"])    # launch B's own checkpoint
+    assert sorted(c["record"].steps) == list(range(CHAIN_STEPS))
+
+
+@pytest.mark.timeout(900)
+def test_all_replicas_lost_relaunch_at_full_width(interrupted_chain):
+    """Every rank SIGKILLed: the launcher relaunches at full width from the newest checkpoint;
+    the run ends with every step committed, W_init replicas alive, exit code 0."""
+    c = interrupted_chain
+    assert c["c_rc"] == 0 and "relaunch 1 at full width" in c["c_text"], c["c_text"][-4000:]
+    assert c["record"].steps[CHAIN_STEPS - 1].alive == [0, 1]
+    assert [s["segment"] for s in c["starts"]] == [0, 1, 2, 3]
+    assert c["starts"][3]["reason"] == "relaunch 1 at full width"
 
 
 def test_resume_at_another_shape_w4g2_to_w2g4(tmp_path):
@@ -138,51 +261,6 @@ def test_resume_at_another_shape_w4g2_to_w2g4(tmp_path):
     rec = _check_one_run(out, 6, tmp_path)["record"]
     assert sorted(rec.steps[5].contributions) == [0, 1]
     assert sorted(rec.steps[3].contributions) == [0, 1, 2, 3]
-
-
-def test_all_replicas_lost_relaunch_at_full_width(tmp_path):
-    """Every rank SIGKILLed after step 3: the launcher relaunches at full width from the newest
-    checkpoint; the run ends with every step committed and W_init replicas alive."""
-    out = tmp_path / "run"
-    args = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
-            "run.steps=8", "run.ckpt_interval=2", "run.max_restarts=2",
-            f"run.output_dir={out}", *SMALL]
-    proc = _start("train", *args, cwd=tmp_path)
-    try:
-        _wait_for_step(proc, out, 3, timeout=300)
-        for p in _workers(proc.pid):
-            os.kill(p, signal.SIGKILL)
-        text, _ = proc.communicate(timeout=500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, text[-4000:]
-    assert "relaunch 1 at full width" in text
-    rec = _check_one_run(out, 8, tmp_path)["record"]
-    assert rec.steps[7].alive == [0, 1]
-    starts = [json.loads(x) for x in (out / "segments.jsonl").read_text().splitlines()]
-    assert [s["segment"] for s in starts if s["event"] == "start"] == [0, 1]
-
-
-def test_sigusr1_saves_exits_4_then_resumes(tmp_path):
-    """SIGUSR1 to the launcher: the ranks checkpoint at an agreed step and leave; exit code 4;
-    run.resume=true completes the run."""
-    out = tmp_path / "run"
-    args = ["parallel.replicas=2", "parallel.shard_size=2", "parallel.grad_accum=1",
-            "run.steps=8", "run.ckpt_interval=100", f"run.output_dir={out}", *SMALL]
-    proc = _start("train", *args, cwd=tmp_path)
-    try:
-        _wait_for_step(proc, out, 1, timeout=300)
-        proc.send_signal(signal.SIGUSR1)
-        text, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 4, text[-4000:]
-    assert list((out / "checkpoints").glob("step_*/COMPLETE"))
-    p = _cli("train", *args, "run.resume=true", cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    _check_one_run(out, 8, tmp_path)
 
 
 def _step_losses(files) -> dict[int, float]:
@@ -209,7 +287,7 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     base = ["data=local", f"data.paths=[{corpus}]", "data.streaming=true",
             f"data.tokenizer={ROOT / 'recover_hsdp/data/embedded/tokenizer.model'}",
             "run.steps=6", "run.ckpt_interval=2", f"run.output_dir={out}",
-            "parallel.seq_len=32", "run.save_params_every=1"]
+            "parallel.seq_len=32", "run.save_params_every=1", *TINY_MODEL]
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "parallel.grad_accum=2",
              "parallel.micro_batch_size=1", *base, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]

@@ -88,16 +88,23 @@ def test_custom_loop_save_kill_load_matches_uninterrupted(tmp_path):
     import torch
 
     ref, run = tmp_path / "ref", tmp_path / "run"
-    _finish(_start(ref, "0"))
-    p = _start(run, "2")
-    t0 = time.monotonic()
+    # the uninterrupted reference runs alongside the first launch (two independent jobs, each
+    # with its own store): their start-ups overlap instead of adding up
+    p_ref = _start(ref, "0")
     try:
-        while _progress(run) < 5:                       # steps 0..4 committed: 2 and 4 saved
-            assert p.poll() is None, p.stdout.read()[-3000:]
-            assert time.monotonic() - t0 < 240, "step 5 not reached in 240 s"
-            time.sleep(0.2)
+        p = _start(run, "2")
+        t0 = time.monotonic()
+        try:
+            while _progress(run) < 5:                   # steps 0..4 committed: 2 and 4 saved
+                assert p.poll() is None, p.stdout.read()[-3000:]
+                assert time.monotonic() - t0 < 240, "step 5 not reached in 240 s"
+                time.sleep(0.2)
+        finally:
+            _kill_job(p)                                # the whole job: store, mpirun, ranks
+        _finish(p_ref)
     finally:
-        _kill_job(p)                                    # the whole job: store, mpirun, ranks
+        if p_ref.poll() is None:
+            _kill_job(p_ref)
     assert not list(run.glob("final.rank*.pt"))
     done = sorted(int(c.name[5:]) for c in (run / "checkpoints").glob("step_*")
                   if (c / "COMPLETE").is_file())

@@ -18,7 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.mpi
-SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.save_params_every=1"]
+# the debug model narrowed to d_model 32 (verify's replay and the one-process norm scale with it)
+SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.save_params_every=1",
+         "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=96"]
 
 
 def _cli(*args: str, cwd: Path, env_extra: dict | None = None,

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.mpi
 
 # the tiny debug model at a short sequence: a few seconds per step on 2 cores
 SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.save_params_every=1"]
+# and narrowed to d_model 32 where the width proves nothing (verify's replay scales with it)
+NARROW = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=96"]
 
 
 def _cli(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -40,7 +42,7 @@ def _summary(run_dir: Path) -> dict:
 def test_two_ranks_default_shape(tmp_path):
     """2 processes (replicas=2, shard_size=1), no failures: all steps commit; verify passes."""
     out = tmp_path / "run"
-    p = _cli("train", "run.steps=3", f"run.output_dir={out}", *SMALL, cwd=tmp_path)
+    p = _cli("train", "run.steps=3", f"run.output_dir={out}", *SMALL, *NARROW, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "OK:" in p.stdout and "steps committed    3/3" in p.stdout
     assert _summary(out)["steps_committed"] == 3
@@ -55,7 +57,8 @@ def test_four_ranks_hsdp_with_a_kill_from_a_schedule_file(tmp_path):
         "- {step: 1, replica: 1, local_rank: 1, location: backward, microbatch: 0}\n")
     out = tmp_path / "run"
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=3",
-             "failures.schedule=kills.yaml", f"run.output_dir={out}", *SMALL, cwd=tmp_path)
+             "failures.schedule=kills.yaml", f"run.output_dir={out}", *SMALL, *NARROW,
+             cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "steps committed    3/3" in p.stdout and "failures survived  1" in p.stdout
     s = _summary(out)

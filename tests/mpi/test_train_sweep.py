@@ -4,8 +4,8 @@ Two REAL jobs, one after the other (the real trainer, recover_hsdp.hsdp.trainer.
 `mpirun --with-ft ulfm`): parallel.replicas=1 (1 rank) and parallel.replicas=2 (2 ranks), each
 in its own run directory `<run.output_dir>/<i>_<swept overrides>` (docs/cli.md, "Sweeps"). Both
 must commit every step, record the right replica count, print the sweep table, exit 0, and pass
-`recover-hsdp verify`. Kept as small as the CLI allows: a tiny llama_debug (d_model 64, FFN 160,
-as tests/e2e/test_hsdp_kills.py::_cfg), 32-token sequences, 2 rows per microbatch, 2 steps.
+`recover-hsdp verify`. Kept as small as the CLI allows: a tiny llama_debug (d_model 32, FFN 96),
+32-token sequences, 2 rows per microbatch, 2 steps.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from test_train_cli import SMALL, _cli  # tests/mpi is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.mpi
 
-TINY = [*SMALL, "model.d_model=64", "model.ffn_dim=160", "model.max_seq_len=64"]
+TINY = [*SMALL, "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=96",
+        "model.max_seq_len=64"]
 STEPS = 2
 JOBS = [(0, 1), (1, 2)]  # (job index, parallel.replicas)
 

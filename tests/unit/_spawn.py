@@ -1,9 +1,15 @@
 """Run a function in N spawned CPU processes with a hard deadline (a hang fails fast).
 
 ``run_workers(fn, nprocs, args, timeout_s)`` starts ``fn(rank, nprocs, *args)`` in ``nprocs``
-spawned processes and returns each rank's return value (``None`` for a rank that died by a
+fresh processes and returns each rank's return value (``None`` for a rank that died by a
 signal when ``allow_killed`` names it, unless it called :func:`save_partial` first). A worker that raises makes the call raise with the
 worker's traceback. Past ``timeout_s`` every child is SIGKILLed and TimeoutError is raised.
+
+The children are forked by a forkserver that imported torch and the package's FSDP code once
+(``_PRELOAD``): a process per rank with nothing shared but those imports, without paying
+torch's import (3-7 s of CPU on a 2-core box) in every rank. The forkserver is started by the
+first call (with the caller's environment as it was then); each child then takes the
+environment of its own call, as a spawned process would.
 """
 from __future__ import annotations
 
@@ -18,6 +24,21 @@ from typing import Any, Callable, Sequence
 
 
 _OUT: tuple[str, int] | None = None  # (out_dir, rank) inside a child
+# imported once in the forkserver, inherited by every child it forks
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
+            "recover_hsdp.hsdp.fsdp_hybrid"]
+_CTX: mp.context.BaseContext | None = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _CTX
+    if _CTX is None:
+        from multiprocessing import forkserver
+
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()
+    return _CTX
 
 
 def save_partial(value: Any) -> None:
@@ -32,9 +53,12 @@ def _write(out_dir: str, rank: int, result: tuple) -> None:
     os.replace(os.path.join(out_dir, f"{rank}.tmp"), os.path.join(out_dir, f"{rank}.pkl"))
 
 
-def _child(fn: Callable, rank: int, nprocs: int, args: tuple, out_dir: str) -> None:
+def _child(fn: Callable, rank: int, nprocs: int, args: tuple, out_dir: str,
+           environ: dict[str, str]) -> None:
     global _OUT
     _OUT = (out_dir, rank)
+    os.environ.clear()            # a forked child starts with the forkserver's environment:
+    os.environ.update(environ)    # give it the caller's, as a spawned one would have
     try:
         result = ("ok", fn(rank, nprocs, *args))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -53,21 +77,13 @@ def run_workers(
     allow_killed: Sequence[int] = (),
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    old_env = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    ctx = _context()
+    environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="spawn_") as out_dir:
-        procs = [ctx.Process(target=_child, args=(fn, r, nprocs, tuple(args), out_dir),
+        procs = [ctx.Process(target=_child, args=(fn, r, nprocs, tuple(args), out_dir, environ),
                              daemon=True) for r in range(nprocs)]
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            for k, v in old_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        for p in procs:
+            p.start()
         deadline = time.monotonic() + timeout_s
         try:
             for p in procs:
