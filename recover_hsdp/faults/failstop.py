@@ -338,11 +338,27 @@ class HangWatchdog:
         self._thread.join(5)
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(min(self.period_s, 0.5)):
+            last, t = time.monotonic(), last
+            if self.stalled(last - t, time.time()):
+                continue
             try:
                 self.poll()
             except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
                 self.log(f"[recover-hsdp] hang watchdog: {e!r}")
+
+    def stalled(self, gap_s: float, now: float) -> bool:
+        """True while judging waits out a stall of the watchdog itself: its poll came ``gap_s``
+        late (> 2 s; seen: a 19 s freeze of the whole machine, ranks included, whose stale
+        heartbeats the watchdog then judged before the ranks could beat). Judging resumes two
+        heartbeat periods + 0.5 s later, with the progress clocks restarted."""
+        if gap_s > 2.0 + min(self.period_s, 0.5):
+            self._grace_until = now + 2 * self.period_s + 0.5
+            self._progress = {g: (p, self._grace_until) for g, (p, _) in self._progress.items()}
+            self.log(f"[recover-hsdp] hang watchdog: itself stalled for {gap_s:.1f} s; "
+                     f"judging resumes in {2 * self.period_s + 0.5:g} s")
+        return now < getattr(self, "_grace_until", 0.0)
 
     def poll(self, now: Optional[float] = None) -> list[int]:
         d = self.run_dir / RANKS_DIR

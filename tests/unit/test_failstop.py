@@ -122,6 +122,36 @@ def test_heartbeat_and_watchdog_kill_a_stopped_process(tmp_path):
             p.kill()
 
 
+def test_watchdog_that_was_itself_stalled_waits_for_fresh_heartbeats(tmp_path):
+    """Seen in the chaos soak: the whole machine froze for 19 s (ranks, heartbeat threads and the
+    launcher alike); the watchdog woke first and SIGKILLed two healthy ranks on their 19 s old
+    heartbeats. A poll that comes > 2 s late now waits two heartbeat periods + 0.5 s."""
+    logs = []
+    wd = fs.HangWatchdog(tmp_path, timeout_s=5, period_s=1.0, log=logs.append)
+    assert not wd.stalled(0.5, now=100.0)                  # on time: judge
+    assert wd.stalled(19.0, now=119.0) and logs            # late: wait...
+    assert "itself stalled for 19.0 s" in logs[0]
+    assert wd.stalled(0.5, now=121.0)                      # ...2 x 1 s + 0.5 s
+    assert not wd.stalled(0.5, now=121.6)                  # then judge again
+    # a stopped rank is still judged: the grace delays it by 2.5 s, it does not excuse it
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        hb = fs.Heartbeat(tmp_path, 1, period_s=1.0)
+        hb.beat()
+        rec = json.loads(hb.path.read_text())
+        rec["pid"] = p.pid
+        hb.path.write_text(json.dumps(rec))
+        p.send_signal(signal.SIGSTOP)
+        t = rec["time"]
+        assert wd.stalled(19.0, now=t + 19.0)
+        assert wd.stalled(0.5, now=t + 20.0)
+        assert not wd.stalled(0.5, now=t + 21.6) and wd.poll(now=t + 21.6) == [1]
+        p.wait(5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_progress_timeout_respects_long_phases(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
