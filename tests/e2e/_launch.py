@@ -73,14 +73,22 @@ def run_with_store(cmd: list[str], env: dict, *, timeout: float,
     test fails with ``hung`` and the output's tail."""
     with serve_store() as addr:
         env["RECOVER_HSDP_STORE"] = addr
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            raise AssertionError(f"{hung}:\n{out[-4000:]}")
+        return run_group(cmd, env, timeout=timeout, hung=hung)
+
+
+def run_group(cmd: list[str], env: dict, *, timeout: float, hung: str,
+              cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session, output captured; past ``timeout`` the whole process group
+    (launcher, mpirun, ranks) is SIGKILLed and the test fails with ``hung`` and the output's
+    tail."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"{hung}:\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, "")
 
 

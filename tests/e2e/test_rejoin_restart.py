@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import read_run
+from tests.e2e._launch import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
@@ -46,16 +46,8 @@ def _cli(*args: str, cwd: Path, timeout: float = 500) -> subprocess.CompletedPro
     (launcher, mpirun, ranks) is SIGKILLed and the test fails with the output's tail."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        raise AssertionError(f"recover-hsdp {args[0]} timed out after {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(p.args, p.returncode, out, "")
+    return run_group([sys.executable, "-m", "recover_hsdp.cli", *args], env, timeout=timeout,
+                     hung=f"recover-hsdp {args[0]} timed out after {timeout} s", cwd=cwd)
 
 
 def _train_and_check(tmp_path: Path, steps: int, *extra: str):
