@@ -325,6 +325,7 @@ class HangWatchdog:
         self.log = log
         self.killed: dict[int, dict] = {}
         self._progress: dict[int, tuple[int, float]] = {}
+        self._grace_until = 0.0     # judging waits until then after a stall of the watchdog
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self._host = socket.gethostname()
@@ -358,7 +359,7 @@ class HangWatchdog:
             self._progress = {g: (p, self._grace_until) for g, (p, _) in self._progress.items()}
             self.log(f"[recover-hsdp] hang watchdog: itself stalled for {gap_s:.1f} s; "
                      f"judging resumes in {2 * self.period_s + 0.5:g} s")
-        return now < getattr(self, "_grace_until", 0.0)
+        return now < self._grace_until
 
     def poll(self, now: Optional[float] = None) -> list[int]:
         d = self.run_dir / RANKS_DIR
