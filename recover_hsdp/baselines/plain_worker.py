@@ -347,19 +347,19 @@ def run_plain_worker(cfg: Any) -> int:
         t0 = time.perf_counter()
         reduce_points.step = step
         optimizer.zero_grad(set_to_none=True)
-        local_loss = torch.zeros((), dtype=torch.float64)
+        local_loss = torch.zeros((), dtype=torch.float64, device=device)  # no per-mb sync
         ids = [(step * G + m) * W + replica for m in range(G)]
         for m, mb_id in enumerate(ids):
             injector.check("forward", step, microbatch=m)
             x, y = source.get(mb_id)
-            x = x[shard_index * mbs:(shard_index + 1) * mbs].to(device)
-            y = y[shard_index * mbs:(shard_index + 1) * mbs].to(device)
+            x = fh.to_device(x[shard_index * mbs:(shard_index + 1) * mbs], device)
+            y = fh.to_device(y[shard_index * mbs:(shard_index + 1) * mbs], device)
             ctx = module.no_sync() if m < G - 1 else contextlib.nullcontext()
             with ctx:
                 lm = next_token_loss(module(x), y, tokens_per_microbatch=tpm)
                 injector.check("backward", step, microbatch=m)
                 (lm / G).backward()      # the last one synchronizes (the `reduce` points)
-            local_loss += lm.detach().double().cpu()
+            local_loss += lm.detach().double()
         injector.check("pre_step", step)
         lr = float(lr_at(step, optim_cfg))
         for grp in optimizer.param_groups:
@@ -379,6 +379,7 @@ def run_plain_worker(cfg: Any) -> int:
             os._exit(1)
         injector.check("optimizer_step", step)
         # the step loss as the resilient trainer reports it: sum over ranks of loss/S, over B
+        local_loss = local_loss.cpu()   # one host sync per step (the world group is gloo)
         dist.all_reduce(local_loss)
         loss = float(local_loss) / (S * B)
         tokens += tokens_per_step

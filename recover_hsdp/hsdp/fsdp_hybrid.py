@@ -45,7 +45,8 @@ from recover_hsdp.hsdp.wrapping import (_FLAT_PARAM_ATTRS, _STATE_ATTRS, ENV_ALL
                                         NoOpReplicateGroup, UnsupportedTorchError,
                                         wrap_hybrid_shard)
 from recover_hsdp.hsdp.buckets import (allreduce_grad_shards, flat_param_handles,
-                                       grad_shard_names, grad_shards, MicrobatchAccumulator)
+                                       grad_shard_names, grad_shards, MicrobatchAccumulator,
+                                       to_device)
 from recover_hsdp.hsdp.layout import (PARAM_PADDING_VALUE, _param_padding_value,
                                       flat_shard_from_full, FlatParamLayout, local_flat_shards,
                                       parameter_layout, ParamSlot)

@@ -318,7 +318,8 @@ class HSDPULFMTrainingManager:
                                     microbatch=(m - base) if ext else m)
                 failstop.set_context("microbatch_fn", step)
                 x, y = self.microbatch_fn(self.replica, mb_id)
-                x, y = self._rows(x).to(self.device), self._rows(y).to(self.device)
+                x = fh.to_device(self._rows(x), self.device)   # no host sync on CUDA
+                y = fh.to_device(self._rows(y), self.device)
 
                 def closure(x=x, y=y, m=m, ext=ext):
                     failstop.set_context("loss_fn", step)
@@ -339,13 +340,15 @@ class HSDPULFMTrainingManager:
                         raise
                     self._replica_lost(e)
                 if keep:
-                    loss_sum += float(loss)
+                    # on the device, in float64 (the same sums as Python floats, in the same
+                    # order): no host sync per microbatch, one per pass (set_loss_sum)
+                    loss_sum = loss_sum + loss.to(torch.float64)
                 if self._tokens_per_mb is None:
                     self._tokens_per_mb = int(y.numel()) * self.S
                 m += 1
                 failstop.tick()
                 orch.note_microbatch(m)
-            self.cross.set_loss_sum(loss_sum)
+            self.cross.set_loss_sum(float(loss_sum))
             # the deferred cross-replica reduction: after the loop, never inside backward
             buckets = fh.grad_shards(self.module)
             self._buckets = buckets

@@ -228,3 +228,19 @@ def test_bench_gpu_w2_overhead_and_table():
     d = w2_overhead(r)
     assert math.isclose(d["staged_allreduce_s"], 0.4) and math.isclose(d["ratio"], 1.25)
     assert w2_overhead({"staging": {}}) == {}
+
+
+def test_microbatch_loop_helpers_keep_cpu_results_and_exact_loss_sums():
+    """The microbatch loop's two host-sync removals (to_device; loss summed on the device in
+    float64) change nothing on CPU: same tensor values, and the float64 tensor sum is the
+    Python float sum the loop made before, bit for bit."""
+    from recover_hsdp.hsdp.fsdp_hybrid import to_device
+
+    x = torch.arange(12).view(3, 4)
+    assert torch.equal(to_device(x, torch.device("cpu")), x) and to_device(x, None) is x
+    losses = [torch.tensor(v, dtype=torch.float32) for v in torch.randn(500).mul(7).tolist()]
+    py, dev = 0.0, 0.0
+    for l in losses:
+        py += float(l)
+        dev = dev + l.to(torch.float64)
+    assert float(dev) == py
