@@ -30,7 +30,8 @@ def test_bench_gpu_cpu_shape_writes_every_section(tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     files = sorted(f.name for f in out.glob("*.json"))
     assert files == ["1_readme.json", "2_1b_failure_free.json", "3_1b_kill.json",
-                     "4_staging.json", "5_s2.json", "6_w2_overhead.json"], files
+                     "4_staging.json", "5_s2.json", "6_w2_overhead.json",
+                     "7_g8_overhead.json"], files
     r = {f.stem.split("_", 1)[1]: json.loads(f.read_text()) for f in out.glob("*.json")}
     assert r["readme"]["verify_rc"] == 0 and r["readme"]["failures"] == 1
     ff = r["1b_failure_free"]
@@ -41,4 +42,9 @@ def test_bench_gpu_cpu_shape_writes_every_section(tmp_path):
     assert r["staging"]["ulfm_gbps"] > 0 and r["staging"]["copy_gbps"] > 0
     assert "skipped" in r["s2"]
     assert r["w2_overhead"]["staged_allreduce_s"] > 0 and r["w2_overhead"]["grad_accum"] == 2
+    g8 = r["g8_overhead"]      # G=8 fits the CPU shape's budget: both runs, one ratio
+    assert g8["ok"] and g8["grad_accum"] == 8 and g8["w1"]["rc"] == 0 and g8["w2"]["rc"] == 0
+    assert "parallel.grad_accum=8" in g8["w2"]["overrides"] and g8["staged_allreduce_s"] > 0
+    assert g8["w1_step_s"] > 0 and g8["w2_step_s"] > 0
     assert "ratio resilient/plain" in p.stdout and "kill->commit" in p.stdout
+    assert "7 W=2 overhead, G=8" in p.stdout
