@@ -197,7 +197,8 @@ def _watchers(cfg, run_dir: Path):
 
     clear_startup_state(run_dir)
     watchdog = HangWatchdog(run_dir, float(cfg.run.hang_timeout_s), float(cfg.run.heartbeat_s),
-                            cfg.run.get("progress_timeout_s")).start()
+                            cfg.run.get("progress_timeout_s"),
+                            shard_size=int(cfg.parallel.shard_size)).start()
     return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
 
 

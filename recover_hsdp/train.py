@@ -260,7 +260,8 @@ def launch_job(job: Job) -> JobResult:
 
                     watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
                                             float(job.cfg.run.heartbeat_s),
-                                            job.cfg.run.get("progress_timeout_s")).start()
+                                            job.cfg.run.get("progress_timeout_s"),
+                                            shard_size=int(job.cfg.parallel.shard_size)).start()
                 start = StartupWatch(run_dir, int(job.cfg.run.np),
                                      job.cfg.run.get("startup_timeout_s")) if watchdog else None
                 try:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from recover_hsdp.bench import harness as H
+from recover_hsdp.bench.gpu_report import table, w2_overhead  # noqa: F401 (re-exported)
 
 REPO = H.REPO
 #: dense bf16 peak FLOP/s by device name substring (the MFU denominator)
@@ -383,86 +384,6 @@ class Bench:
                        ratio=(m2 - m1) / ar, target_ratio=1.2)
         res["ok"] = a1.get("rc") == 0 and a2.get("rc") == 0
         return res
-
-
-def w2_overhead(r: dict) -> dict:
-    """The issue's W=2 target: (W=2 normal step - W=1 resilient step) <= 1.2 x the staged
-    all-reduce of the same bytes (fp32 gradient = 4 bytes x params, at section 4's rate), at
-    G=2 (section 7 measures G=8 when the time box allows)."""
-    try:
-        w1 = r["1b_failure_free"]["resilient"]["step_s_median"]
-        w2 = r["1b_kill"]["normal_step_s"]
-        gbps = r["staging"]["ulfm_gbps"]
-        params = r["1b_failure_free"]["resilient"]["params"]
-    except (KeyError, TypeError):
-        return {}
-    if not (w1 and w2 and gbps and params):
-        return {}
-    ar = 4.0 * params / (gbps * 1e9)
-    return {"grad_accum": 2, "w1_step_s": w1, "w2_step_s": w2, "overhead_s": w2 - w1,
-            "staged_allreduce_s": ar, "ratio": (w2 - w1) / ar, "target_ratio": 1.2,
-            "note": "W=2 normal step from section 3 (steps before the kill: few samples)",
-            "ok": None}
-
-
-def _fmt(x: Any, nd: int = 3) -> str:
-    if x is None:
-        return "n/a"
-    if isinstance(x, float):
-        return f"{x:.{nd}g}"
-    return str(x)
-
-
-def table(b: Bench) -> str:
-    r = b.results
-    rows = [("device", f"{b.info['name']} x{b.info['gpus']}  torch {b.info['torch']}  "
-                       f"cuda-aware MPI {b.info.get('cuda_aware_mpi')}")]
-    if "readme" in r:
-        s = r["readme"]
-        rows.append(("1 readme kills + verify", f"{s.get('steps_committed')} steps, "
-                     f"{s.get('failures')} failures, train rc {s.get('train_rc')}, verify rc "
-                     f"{s.get('verify_rc')}  {s.get('verify', '')[:80]}"))
-    if "1b_failure_free" in r:
-        s = r["1b_failure_free"]
-        for arm in ("plain", "resilient"):
-            a = s.get(arm, {})
-            rows.append((f"2 {b.big_model} W=1 {arm}",
-                         f"{_fmt(a.get('step_s_median'))} s/step commit-to-commit "
-                         f"(train_step {_fmt(a.get('train_step_s_median'))}), "
-                         f"{_fmt(a.get('tokens_per_s'))} tok/s, MFU {_fmt(a.get('mfu'))}, "
-                         f"GPU {_fmt(a.get('peak_gpu_mb'))} MiB, RSS {_fmt(a.get('peak_rss_mb'))}"
-                         f" MiB, loss {[round(x, 2) for x in a.get('loss') or [] if x]}"))
-        rows.append(("2 ratio resilient/plain", f"{_fmt(s.get('ratio'))} (target <= 1.05)"))
-    if "1b_kill" in r:
-        s = r["1b_kill"]
-        rows.append((f"3 {b.big_model} W=2 kill", f"kill->commit {_fmt(s.get('kill_to_commit_s'))}"
-                     f" s, next step {_fmt(s.get('next_step_s'))} s, normal step "
-                     f"{_fmt(s.get('normal_step_s'))} s (target < normal + 2 s: "
-                     f"{s.get('met')}), restore {s.get('restore')}, rc {s.get('rc')}"))
-    if "staging" in r:
-        s = r["staging"]
-        rows.append(("4 staging", f"{_fmt(s.get('bucket_mb'))} MB: ulfm {_fmt(s.get('ulfm_gbps'))}"
-                     f" GB/s vs pinned copy {_fmt(s.get('copy_gbps'))} GB/s (time ratio "
-                     f"{_fmt(s.get('ulfm_over_copy'))}), rc {s.get('rc')}"))
-    if "s2" in r:
-        s = r["s2"]
-        rows.append(("5 S=2 (NCCL)", s.get("skipped") or
-                     f"2x2 kill rc {s.get('debug_2x2', {}).get('rc')} verify "
-                     f"{s.get('debug_2x2', {}).get('verify_rc')}; 1B 1x2 "
-                     f"{_fmt(s.get('1b_1x2', {}).get('step_s_median'))} s/step"))
-    if "w2_overhead" in r:
-        s = r["w2_overhead"]
-        rows.append(("W=2 overhead vs staged AR", f"{_fmt(s['overhead_s'])} s over W=1 vs "
-                     f"{_fmt(s['staged_allreduce_s'])} s all-reduce: x{_fmt(s['ratio'])} "
-                     f"(target <= 1.2, G=2)"))
-    if "g8_overhead" in r:
-        s = r["g8_overhead"]
-        rows.append(("7 W=2 overhead, G=8", s.get("skipped") or
-                     f"{_fmt(s.get('overhead_s'))} s over W=1 ({_fmt(s.get('w1_step_s'))} -> "
-                     f"{_fmt(s.get('w2_step_s'))} s/step) vs {_fmt(s.get('staged_allreduce_s'))}"
-                     f" s all-reduce: x{_fmt(s.get('ratio'))} (target <= 1.2)"))
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
 SECTIONS = ((1, "readme", "s1_readme"), (2, "1b_failure_free", "s2_failure_free"),

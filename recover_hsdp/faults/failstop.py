@@ -4,26 +4,24 @@ Two halves (docs/faults.md, "Fault classes"):
 
 * **Errors -> fail-stop.** A Python exception (or ``sys.exit(n != 0)``) in a rank would exit it
   non-zero, which ULFM does NOT see as a failure: the survivors would wait forever
-  (feasibility.md). :func:`fail_stop` writes one line (``errors/rank{g}.json``) and the traceback
-  (``errors/rank{g}.traceback.txt``) to the run directory, prints one line on stderr and SIGKILLs
-  the process. :func:`run_failstop` wraps a worker function; :func:`install_hooks` routes uncaught
-  exceptions (main thread and other threads) there for custom loops. An error in a shard-group
-  collective (gloo "Connection closed by peer" / "Broken pipe" / a timeout, NCCL "remote process
-  exited", ...) is not the rank's own error: :func:`is_peer_failure` says "my replica lost a
-  member" and the rank leaves through ``replica_lost_exit``.
-* **Hung ranks.** A SIGSTOPped (or GIL-starved) rank cannot act for itself. :class:`Heartbeat`
-  is a daemon thread that rewrites ``ranks/rank{g}.json`` (pid, host, time, progress counter,
-  announced long phase) every ``period_s``; :class:`HangWatchdog` (in the launcher, which runs on
-  the node of the ranks) SIGKILLs a rank whose heartbeat is older than ``timeout_s``. A waiting
-  rank still beats (collectives release the GIL), so only a rank that cannot run at all is
-  judged hung. Optionally (``progress_timeout_s``) a rank whose progress counter has not moved
-  for that long while it is NOT inside an announced long phase is judged hung too.
+  (feasibility.md). :func:`fail_stop` writes ``errors/rank{g}.json`` and the traceback, prints one
+  line on stderr and SIGKILLs the process (:func:`run_failstop` wraps a worker; :func:`install_hooks`
+  routes uncaught exceptions there for custom loops). An error in a shard-group collective (gloo
+  "Connection closed by peer", NCCL "remote process exited", a timeout) is not the rank's own:
+  :func:`is_peer_failure` says "my replica lost a member" and it leaves by ``replica_lost_exit``.
+* **Hung ranks.** :class:`Heartbeat` is a daemon thread rewriting ``ranks/rank{g}.json`` (pid,
+  host, time, progress counter, announced long phase, clean-exit mark) every ``period_s``;
+  :class:`HangWatchdog` (in the launcher, on the ranks' node) SIGKILLs a rank whose heartbeat is
+  older than ``timeout_s`` (a waiting rank still beats: collectives release the GIL), optionally
+  one whose progress stalled outside a long phase (``progress_timeout_s``), and, through
+  faults/reaper.py, the mates of a rank that died that do not notice it (NCCL).
 
 The launcher judges a job whose replicas all logged an error of the same class as a user error:
 one line, non-zero exit (:func:`common_error`).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from recover_hsdp.faults.injector import replica_lost_exit, sigkill_self
+from recover_hsdp.faults.reaper import MateReaper, alive as _alive
 
 ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
@@ -233,6 +232,7 @@ class Heartbeat:
         self.progress = 0
         self.phase: Optional[str] = None
         self.phase_until: Optional[float] = None
+        self.done = False          # a clean exit (mark_done): the reaper must not take it for a death
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recover_hsdp-heartbeat",
                                         daemon=True)
@@ -264,7 +264,7 @@ class Heartbeat:
     def beat(self) -> None:
         rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                "time": time.time(), "progress": self.progress, "phase": self.phase,
-               "phase_until": self.phase_until, "period_s": self.period_s}
+               "phase_until": self.phase_until, "period_s": self.period_s, "done": self.done}
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             tmp.write_text(json.dumps(rec))
@@ -291,7 +291,17 @@ def start_heartbeat(run_dir: os.PathLike | str | None, rank: int,
     if not run_dir or not period_s or period_s <= 0:
         return None
     _hb["hb"] = Heartbeat(run_dir, rank, period_s).start()
+    atexit.register(mark_done)          # a custom loop's normal interpreter exit
     return _hb["hb"]
+
+
+def mark_done() -> None:
+    """A clean exit (before each os._exit that is no failure): the reaper spares the mates."""
+    hb = _hb["hb"]
+    if hb is not None and not hb.done:
+        hb.done = True
+        hb.stop()
+        hb.beat()
 
 
 def tick() -> None:
@@ -317,8 +327,10 @@ class HangWatchdog:
 
     def __init__(self, run_dir: os.PathLike | str, timeout_s: float, period_s: float,
                  progress_timeout_s: Optional[float] = None,
-                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+                 shard_size: int = 1):
         self.run_dir = Path(run_dir)
+        self.reaper = MateReaper(run_dir, shard_size, timeout_s, log) if shard_size > 1 else None
         self.timeout_s = float(timeout_s)
         self.period_s = float(period_s)
         self.progress_timeout_s = progress_timeout_s
@@ -366,13 +378,15 @@ class HangWatchdog:
         if not d.is_dir():
             return []
         now = time.time() if now is None else now
-        out = []
+        out, hbs = [], {}
         for p in d.glob("rank*.json"):
             try:
                 hb = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue
             g = int(hb["rank"])
+            if hb.get("host") == self._host and g not in self.killed:
+                hbs[g] = hb
             if g in self.killed or hb.get("host") != self._host or hb.get("done"):
                 continue
             pid = int(hb["pid"])
@@ -394,7 +408,7 @@ class HangWatchdog:
             if why:
                 self._kill(g, pid, why, now, hb)
                 out.append(g)
-        return out
+        return out + (self.reaper.poll(hbs, now) if self.reaper else [])
 
     def _kill(self, g: int, pid: int, why: str, now: float, hb: dict) -> None:
         try:
@@ -411,20 +425,6 @@ class HangWatchdog:
         except OSError:
             pass
         self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable
 
 from recover_hsdp.faults.locations import LOCATIONS, index_field
@@ -46,6 +47,12 @@ def sigkill_self() -> None:
     os.abort()  # unreachable unless SIGKILL delivery was somehow deferred; abort is also seen by ULFM
 
 
+#: TEST ONLY (with RECOVER_HSDP_ALLOW_TEST_FAULT=1): seconds a rank that found its shard-group
+#: mate dead waits, heartbeat beating, before it leaves -- what a rank stuck in an NCCL collective
+#: on a dead peer does until the process-group timeout, emulated on gloo (faults/reaper.py)
+ENV_SHARD_WEDGE = "RECOVER_HSDP_TEST_SHARD_WEDGE_S"
+
+
 def replica_lost_exit(reason: str = "", kill: Callable[[], None] | None = None) -> None:
     """How a rank whose replica lost a member leaves: one line on stderr, flush, SIGKILL self.
 
@@ -59,6 +66,9 @@ def replica_lost_exit(reason: str = "", kill: Callable[[], None] | None = None) 
         print(msg, file=sys.stderr, flush=True)
     except Exception:
         pass
+    wedge = os.environ.get(ENV_SHARD_WEDGE)
+    if wedge and os.environ.get("RECOVER_HSDP_ALLOW_TEST_FAULT") == "1":
+        time.sleep(float(wedge))   # TEST ONLY: block as an NCCL collective on a dead peer does
     (kill or sigkill_self)()
 
 

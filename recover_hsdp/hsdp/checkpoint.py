@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from recover_hsdp.faults import failstop
 from recover_hsdp.policy import DataAssignment, PolicyError
 from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, read_state,
                                             tmp_path)
@@ -389,6 +390,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
                     print(f"recover-hsdp train: error: cannot resume from {resume_from}: the "
                           f"data differ (checkpoint {fp!r}, this config {fingerprint!r})",
                           flush=True)
+                failstop.mark_done()
                 os._exit(2)
             if mgr.rank == min(mgr.topo.replica_ranks(0)):
                 print(f"resumed from {resume_from} at step {mgr.step} in "
@@ -423,6 +425,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
             self._guarded_save(mgr.step, sync=True)
             import sys
             sys.stdout.flush()
+            failstop.mark_done()
             os._exit(0)
         if self.interval and mgr.step % self.interval == 0:
             self._guarded_save(mgr.step)

@@ -119,6 +119,7 @@ def run_worker(cfg: Any) -> int:
     if mgr.is_standby and not mgr.standby_wait():   # idle until promoted (docs/rejoin.md)
         snaps.close()
         recorder.close()
+        failstop.mark_done()
         os._exit(0)
     log_every = int(run.get("log_every", 1) or 1)
     t_start = time.perf_counter()
@@ -132,6 +133,7 @@ def run_worker(cfg: Any) -> int:
             snaps.close()
             if _is_logger(mgr):
                 print(f"recover-hsdp train: {e}", file=sys.stderr, flush=True)
+            failstop.mark_done()            # every rank stops here alike (an agreed flag)
             os._exit(1)
         tokens += mt.tokens
         local = {"wall_s": round(mt.wall_s, 6), "rank": mgr.rank, **step_resources(),
@@ -199,6 +201,7 @@ def run_worker(cfg: Any) -> int:
               f"failures survived, {wall:.1f} s, {summary.tokens_per_s or 0:.0f} tok/s; "
               f"run directory {run_dir}", flush=True)
     sys.stdout.flush()
+    failstop.mark_done()
     # ULFM: a clean MPI_Finalize after failures may hang (ompi #11404); leave without it.
     os._exit(0 if mgr.step == steps else 1)
 

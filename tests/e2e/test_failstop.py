@@ -166,3 +166,32 @@ def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
     assert rec.committed == list(range(steps))
     assert victim // S not in rec.summary["replicas_alive"]
     _verify(out)
+
+
+@pytest.mark.timeout(300)
+def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
+    """S=2, rank 1 (replica 0) SIGKILLed in a forward. Its mate, rank 0, is made to behave as an
+    NCCL rank does (a shard collective on a dead peer blocks until the process-group timeout:
+    emulated on gloo by RECOVER_HSDP_TEST_SHARD_WEDGE_S, heartbeat beating, no progress). The
+    survivors' ULFM repair needs rank 0 (it is alive), so without the launcher's reaper the step
+    would wait the whole wedge (60 s); with it rank 0 is SIGKILLed about run.hang_timeout_s after
+    the death, the step commits within seconds, every step commits once, verify passes."""
+    out = tmp_path / "run"
+    sched = tmp_path / "kill.yaml"
+    sched.write_text("- {step: 2, replica: 0, local_rank: 1, location: forward, microbatch: 0}\n")
+    p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=5",
+             f"run.output_dir={out}", f"failures.schedule={sched}", "run.hang_timeout_s=1",
+             "run.heartbeat_s=0.25", *SMALL, cwd=tmp_path, timeout=240,
+             env={"RECOVER_HSDP_TEST_SHARD_WEDGE_S": "60", "RECOVER_HSDP_ALLOW_TEST_FAULT": "1"})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    fired = json.loads((out / "faults" / "fired.rank1.json").read_text())
+    reaped = json.loads((out / "faults" / "reaped.rank0.json").read_text())
+    assert reaped["mate"] == 1, reaped
+    # grace (hang_timeout_s) + a beat + a poll + slack; the wedge alone would be 60 s
+    assert reaped["time"] - fired["time"] < 1 + 0.25 + 0.5 + 3.0, (fired, reaped)
+    rec = read_run(out)
+    assert rec.committed == list(range(5)) and rec.summary["replicas_alive"] == [1]
+    recs = [json.loads(ln) for ln in (out / "steps" / "rank2.jsonl").read_text().splitlines()]
+    t2 = next(r for r in recs if r["step"] == 2)["local"]["time"]
+    assert t2 - fired["time"] < 15.0, (t2, fired)
+    _verify(out)
