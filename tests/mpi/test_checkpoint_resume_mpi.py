@@ -41,10 +41,15 @@ def _cli(*args: str, cwd: Path, timeout: float = 500) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _start(*args: str, cwd: Path) -> subprocess.Popen:
+#: the chain's launches sleep this long after each commit (test-only knob): a tiny model's 0.05 s
+#: steps on a quiet machine outran the 0.3 s progress polls (SIGUSR1 landed at step 11 of 14)
+CHAIN_STEP_DELAY = {"RECOVER_HSDP_TEST_STEP_DELAY_S": "0.25", "RECOVER_HSDP_ALLOW_TEST_FAULT": "1"}
+
+
+def _start(*args: str, cwd: Path, slow: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            env={**_env(), **(CHAIN_STEP_DELAY if slow else {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _committed(run_dir: Path) -> int:
@@ -163,7 +168,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
     args = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
             f"run.steps={CHAIN_STEPS}", "run.max_restarts=2", f"run.output_dir={out}", *SMALL]
     got: dict = {"out": out}
-    proc = _start("train", *args, "run.ckpt_interval=100", cwd=tmp)
+    proc = _start("train", *args, "run.ckpt_interval=100", cwd=tmp, slow=True)
     try:
         _wait_for_step(proc, out, 1, timeout=300)
         proc.send_signal(signal.SIGUSR1)
@@ -179,7 +184,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
     assert stop + 6 < CHAIN_STEPS, f"SIGUSR1 checkpoint at step {stop}: too late for the chain"
     summary_before = _read(out / "summary.json")
 
-    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp)
+    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, slow=True)
     try:
         _wait_for_step(proc, out, stop + 3, timeout=300)
         t0 = time.monotonic()       # and for a checkpoint of its own (async saves lag a step)
@@ -192,7 +197,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
         got["b_text"], _ = proc.communicate(timeout=60)
     got["summary_untouched"] = _read(out / "summary.json") == summary_before
 
-    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp)
+    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, slow=True)
     try:
         resumed = _wait_for_segment(proc, out, 2, timeout=300)  # lines past it moved away
         _wait_for_step(proc, out, max(stop + 5, int(resumed["resume_step"]) + 1), timeout=300)
