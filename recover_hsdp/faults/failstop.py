@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from recover_hsdp.faults.injector import replica_lost_exit, sigkill_self
-from recover_hsdp.faults.reaper import MateReaper, alive as _alive
+from recover_hsdp.faults.reaper import MateReaper, alive as _alive, kill_recorded
 
 ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
@@ -411,20 +411,11 @@ class HangWatchdog:
         return out + (self.reaper.poll(hbs, now) if self.reaper else [])
 
     def _kill(self, g: int, pid: int, why: str, now: float, hb: dict) -> None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
         rec = {"rank": g, "pid": pid, "reason": why, "time": now,
                "last_heartbeat": hb.get("time")}
-        self.killed[g] = rec
-        try:
-            fd = self.run_dir / "faults"
-            fd.mkdir(parents=True, exist_ok=True)
-            (fd / f"hung.rank{g}.json").write_text(json.dumps(rec) + "\n")
-        except OSError:
-            pass
-        self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")
+        if kill_recorded(self.run_dir, f"hung.rank{g}", pid, rec):
+            self.killed[g] = rec
+            self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")
 
 
 # ---------------------------------------------------------------------------------------------

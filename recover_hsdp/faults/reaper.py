@@ -83,19 +83,26 @@ class MateReaper:
         return out
 
     def _reap(self, g: int, pid: int, mate: int, now: float, after_s: float) -> None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
         why = (f"its replica lost rank {mate} {after_s:.1f} s ago and it has not moved since "
                f"(a shard collective on a dead peer, as NCCL's, blocks; run.hang_timeout_s="
                f"{self.grace_s:g})")
         rec = {"rank": g, "pid": pid, "mate": mate, "reason": why, "time": now}
-        self.reaped[g] = rec
-        try:
-            fd = self.run_dir / "faults"
-            fd.mkdir(parents=True, exist_ok=True)
-            (fd / f"reaped.rank{g}.json").write_text(json.dumps(rec) + "\n")
-        except OSError:
-            pass
-        self.log(f"[recover-hsdp] rank {g} (pid {pid}) reaped: {why}; SIGKILLed")
+        if kill_recorded(self.run_dir, f"reaped.rank{g}", pid, rec):
+            self.reaped[g] = rec
+            self.log(f"[recover-hsdp] rank {g} (pid {pid}) reaped: {why}; SIGKILLed")
+
+
+def kill_recorded(run_dir: Path, name: str, pid: int, rec: dict) -> bool:
+    """SIGKILL ``pid`` and write ``rec`` to ``faults/{name}.json`` (the launcher's verdicts: hung,
+    reaped). False when the process was already gone (nothing written)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        fd = Path(run_dir) / "faults"
+        fd.mkdir(parents=True, exist_ok=True)
+        (fd / f"{name}.json").write_text(json.dumps(rec) + "\n")
+    except OSError:
+        pass
+    return True
