@@ -385,8 +385,8 @@ class HangWatchdog:
             except (OSError, ValueError):
                 continue
             g = int(hb["rank"])
-            if hb.get("host") == self._host and g not in self.killed:
-                hbs[g] = hb
+            if hb.get("host") == self._host:
+                hbs[g] = hb             # the reaper sees the ranks judged hung here die too
             if g in self.killed or hb.get("host") != self._host or hb.get("done"):
                 continue
             pid = int(hb["pid"])

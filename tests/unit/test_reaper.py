@@ -93,6 +93,30 @@ def test_reaper_kills_only_the_still_mates_of_an_unclean_death(tmp_path):
                 p.wait()
 
 
+@pytest.mark.timeout(120)
+def test_mate_of_a_rank_judged_hung_is_reaped_too(tmp_path):
+    """A SIGSTOPped rank is SIGKILLed by the watchdog (hung); its idle mate (on NCCL: waiting on
+    it in a collective) is reaped one grace later."""
+    procs = {g: _spawn(tmp_path, g, "idle") for g in (0, 1)}
+    try:
+        _wait_beats(tmp_path, procs)
+        wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, shard_size=2, log=lambda s: None)
+        assert wd.poll() == []
+        procs[0].send_signal(signal.SIGSTOP)
+        out, t0 = [], time.time()
+        while time.time() - t0 < 4.0 and len(out) < 2:
+            out += wd.poll()
+            time.sleep(0.05)
+        assert out == [0, 1], out
+        assert (tmp_path / "faults" / "hung.rank0.json").exists()
+        assert json.loads((tmp_path / "faults" / "reaped.rank1.json").read_text())["mate"] == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_reaper_is_off_at_shard_size_one(tmp_path):
     assert HangWatchdog(tmp_path, 1.0, 0.1).reaper is None
     assert HangWatchdog(tmp_path, 1.0, 0.1, shard_size=2).reaper.grace_s == 1.0
