@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.gpu_report import table, w2_overhead  # noqa: F401 (re-exported)
+from recover_hsdp.bench.gpu_report import (staged_allreduce_s, table,  # noqa: F401
+                                            w2_overhead)
 
 REPO = H.REPO
 #: dense bf16 peak FLOP/s by device name substring (the MFU denominator)
@@ -379,7 +380,7 @@ class Bench:
         gbps = self.results.get("staging", {}).get("ulfm_gbps")
         m1, m2 = a1.get("step_s_median"), a2.get("step_s_median")
         if m1 and m2 and gbps and a1.get("params"):
-            ar = 4.0 * a1["params"] / (gbps * 1e9)
+            ar = staged_allreduce_s(a1["params"], gbps)
             res.update(w1_step_s=m1, w2_step_s=m2, overhead_s=m2 - m1, staged_allreduce_s=ar,
                        ratio=(m2 - m1) / ar, target_ratio=1.2)
         res["ok"] = a1.get("rc") == 0 and a2.get("rc") == 0

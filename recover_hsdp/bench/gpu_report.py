@@ -4,6 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def staged_allreduce_s(params: float, gbps: float) -> float:
+    """Seconds of the staged all-reduce of an fp32 gradient of ``params`` at section 4's rate."""
+    return 4.0 * params / (gbps * 1e9)
+
+
 def w2_overhead(r: dict) -> dict:
     """The issue's W=2 target: (W=2 normal step - W=1 resilient step) <= 1.2 x the staged
     all-reduce of the same bytes (fp32 gradient = 4 bytes x params, at section 4's rate), at
@@ -17,7 +22,7 @@ def w2_overhead(r: dict) -> dict:
         return {}
     if not (w1 and w2 and gbps and params):
         return {}
-    ar = 4.0 * params / (gbps * 1e9)
+    ar = staged_allreduce_s(params, gbps)
     return {"grad_accum": 2, "w1_step_s": w1, "w2_step_s": w2, "overhead_s": w2 - w1,
             "staged_allreduce_s": ar, "ratio": (w2 - w1) / ar, "target_ratio": 1.2,
             "note": "W=2 normal step from section 3 (steps before the kill: few samples)",

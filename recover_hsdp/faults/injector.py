@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from recover_hsdp.faults.locations import LOCATIONS, index_field
+from recover_hsdp.faults.seam import ENV_ALLOW
 from recover_hsdp.faults.schedule import FailureEntry, FailureSchedule
 
 _INDEX_OF = {loc: index_field(loc) for loc in LOCATIONS}
@@ -67,7 +68,7 @@ def replica_lost_exit(reason: str = "", kill: Callable[[], None] | None = None) 
     except Exception:
         pass
     wedge = os.environ.get(ENV_SHARD_WEDGE)
-    if wedge and os.environ.get("RECOVER_HSDP_ALLOW_TEST_FAULT") == "1":
+    if wedge and os.environ.get(ENV_ALLOW) == "1":
         time.sleep(float(wedge))   # TEST ONLY: block as an NCCL collective on a dead peer does
     (kill or sigkill_self)()
 

@@ -234,8 +234,10 @@ def _test_step_delay() -> float:
     """TEST ONLY (with RECOVER_HSDP_ALLOW_TEST_FAULT=1): seconds to sleep after each commit, so a
     test that interrupts a run at a given step (signals, SIGKILLs from outside) cannot be outrun
     by a tiny model's 0.05 s steps on a fast machine."""
+    from recover_hsdp.faults.seam import ENV_ALLOW
+
     v = os.environ.get("RECOVER_HSDP_TEST_STEP_DELAY_S")
-    return float(v) if v and os.environ.get("RECOVER_HSDP_ALLOW_TEST_FAULT") == "1" else 0.0
+    return float(v) if v and os.environ.get(ENV_ALLOW) == "1" else 0.0
 
 
 def meta_policy(c: Mapping) -> str:
