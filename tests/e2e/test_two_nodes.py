@@ -108,6 +108,18 @@ def _pid(run_dir: Path, g: int) -> int | None:
         return None
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _committed(run_dir: Path) -> int:
     """Steps committed so far: the most step lines any rank wrote."""
     best = 0
@@ -216,26 +228,29 @@ def test_node_loss_is_a_checkpoint_relaunch_on_the_other_node(nodes, tmp_path):
         gate.wait_held(HOLD_B, dl, alive=job.alive, detail=job.tail)
         ckpt = run_dir / "checkpoints" / "step_000004"
         assert (ckpt / "COMPLETE").is_file(), sorted((run_dir / "checkpoints").iterdir())
-        # node 1: its launch agent, its prted and its four ranks
-        on1 = nodes.pids(1)
+        # node 1's daemon (the prted whose children are its four ranks) and the ranks. Not its
+        # launch session (the agent's shell and prted's launch parent: on a cluster, mpirun's
+        # ssh session to the node): when that ends abnormally too, PRTE reports "A daemon
+        # failed to report back after being spawned" instead, which the launcher does not
+        # take for a node loss (a full-width relaunch; seen on this set-up, docs/faults.md)
         ranks1 = {g: _pid(run_dir, g) for g in range(4, 8)}
-        assert set(ranks1.values()) <= set(on1), (ranks1, on1)
+        assert all(nodes.node_of(p) == 1 for p in ranks1.values()), f"ranks 4-7 {ranks1}"
         assert all(nodes.node_of(_pid(run_dir, g)) == 0 for g in range(4)), "ranks 0-3 not on node 0"
-        comms = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in on1
-                 if Path(f"/proc/{p}/comm").exists()}
-        assert "prted" in comms.values(), comms
-        for p in on1:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in on1:
+        daemons = {_ppid(p) for p in ranks1.values()}
+        assert len(daemons) == 1, f"ranks 4-7 have parents {daemons}"
+        (daemon,) = daemons
+        assert _comm(daemon) == "prted" and nodes.node_of(daemon) == 1, (daemon, _comm(daemon))
+        victims = [daemon, *ranks1.values()]
+        for p in victims:
+            os.kill(p, signal.SIGKILL)
+        for p in victims:
             wait_dead(p, dl, "a process of node 1")
         # the first job is over and the relaunch planned: then let the held step go (the
         # relaunch reaches it again from the checkpoint and passes)
         seg1 = run_dir / "launcher" / "hosts.seg1"
-        until(seg1.exists, dl, "the relaunch's hostfile (launcher/hosts.seg1)",
-              alive=job.alive, detail=job.tail)
+        until(lambda: seg1.exists() or "segment 0 ended" in job.tail(100000), dl,
+              "the end of the first job", alive=job.alive, detail=job.tail)
+        assert seg1.exists(), f"no node-loss relaunch (no launcher/hosts.seg1):\n{job.tail()}"
         gate.release(HOLD_B)
         rc = job.wait(dl)
     finally:
