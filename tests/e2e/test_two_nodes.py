@@ -272,3 +272,19 @@ def test_node_loss_is_a_checkpoint_relaunch_on_the_other_node(nodes, tmp_path):
         hb = json.loads((run_dir / "ranks" / f"rank{g}.json").read_text())
         assert hb["host"] == nodes.nodes[0].name, hb
     _verify(run_dir)
+
+
+# ------------------------------------------------------ the fixture's one line when it cannot
+@pytest.mark.parametrize("ci,euid,outcome", [("1", 1000, "fail"), ("", 0, "fail"),
+                                             ("", 1000, "skip")])
+def test_no_namespaces_is_one_line_fail_under_ci_or_root_else_skip(monkeypatch, ci, euid,
+                                                                   outcome):
+    monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(_netns.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(_netns.shutil, "which", lambda name: None)   # no `ip`
+    want = pytest.fail.Exception if outcome == "fail" else pytest.skip.Exception
+    with pytest.raises(want) as e:
+        with _netns.two_nodes():
+            raise AssertionError("yielded without namespaces")
+    msg = str(e.value.msg)
+    assert "\n" not in msg and "cannot make them" in msg and "iproute2" in msg, msg
