@@ -21,6 +21,8 @@ TESTS = Path(__file__).resolve().parents[1]
 #: (path under tests/, function) -> why a sleep there decides no order
 ALLOWED = {
     ("_wait.py", "until"): "paces the predicate loop; the predicate decides",
+    ("mpi/workers/_worker.py", "wait_marks"): "a rank paces its poll of its peers' marker "
+                                              "files; the markers decide (bounded)",
 }
 
 
