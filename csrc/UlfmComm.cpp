@@ -321,11 +321,21 @@ void UlfmComm::debugKillAt(const std::string& point, int64_t delay_us) {
     kill_point_ = KillPoint::DATA;
   } else if (point == "data_async") {
     kill_point_ = KillPoint::DATA_ASYNC;
+  } else if (point == "data_mid") {
+    kill_point_ = KillPoint::DATA_MID;
   } else {
     throw std::invalid_argument("debug kill point must be one of detect, record, data, "
-                                "data_async or empty; got '" + point + "'");
+                                "data_async, data_mid or empty; got '" + point + "'");
   }
   kill_delay_us_ = delay_us;
+}
+
+void UlfmComm::debugSplitData(int64_t parts) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (parts < 1) {
+    throw std::invalid_argument("debug split must be >= 1");
+  }
+  debug_split_ = parts;
 }
 
 void UlfmComm::debugFailNextData() {
@@ -547,12 +557,14 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
     // ran, so a failure is still seen here); the test hooks still fire at the data point.
     maybeKill(KillPoint::DATA);
     maybeKill(KillPoint::DATA_ASYNC);
+    maybeKill(KillPoint::DATA_MID);
     last_ = dataDoneLocked(MPI_SUCCESS, "MPI_Allreduce", rec);
     return last_;
   }
   if (tensor.device().is_cuda() && !cudaAwareMpi()) {
     maybeKill(KillPoint::DATA);
     maybeKill(KillPoint::DATA_ASYNC);
+    maybeKill(KillPoint::DATA_MID);
     const int rc = stagedAllreduceLocked(tensor, typeop.type, typeop.op);
     last_ = dataDoneLocked(rc, "MPI_Allreduce", rec);
     return last_;
@@ -560,10 +572,21 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
   DataBuffer buf(tensor);
   maybeKill(KillPoint::DATA);
   maybeKill(KillPoint::DATA_ASYNC);
+  // test hooks: debugSplitData(k) on every member sends the transfer as k MPI_Allreduce calls
+  // (the same on every rank); data_mid dies after the first, before posting the second, so the
+  // death lands inside the transfer by construction: its peers are in the second call
+  const int64_t chunk = debug_split_ > 1 && buf.numel() >= debug_split_
+      ? (buf.numel() + debug_split_ - 1) / debug_split_ : kMaxCount;
+  if (kill_point_ == KillPoint::DATA_MID && chunk >= buf.numel()) {
+    maybeKill(KillPoint::DATA_MID);  // not split: nothing to die inside, dies before it
+  }
   char* ptr = static_cast<char*>(buf.data());
   int rc = MPI_SUCCESS;
-  for (int64_t off = 0; off < buf.numel() && rc == MPI_SUCCESS; off += kMaxCount) {
-    const int n = static_cast<int>(std::min<int64_t>(kMaxCount, buf.numel() - off));
+  for (int64_t off = 0; off < buf.numel() && rc == MPI_SUCCESS; off += chunk) {
+    if (off > 0) {
+      maybeKill(KillPoint::DATA_MID);
+    }
+    const int n = static_cast<int>(std::min<int64_t>(chunk, buf.numel() - off));
     rc = MPI_Allreduce(MPI_IN_PLACE, ptr + off * buf.elementSize(), n, typeop.type, typeop.op,
                        comm_);
   }

@@ -112,6 +112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_quiesce", &UlfmComm::setQuiesce, py::arg("flag"))
       .def("last_record", &UlfmComm::lastRecord)
       .def("_debug_kill_at", &UlfmComm::debugKillAt, py::arg("point"), py::arg("delay_us") = 0)
+      .def("_debug_split_data", &UlfmComm::debugSplitData, py::arg("parts"))
       .def("_debug_fail_next_data", &UlfmComm::debugFailNextData);
 
   py::class_<ProcessGroupULFM, c10d::Backend, c10::intrusive_ptr<ProcessGroupULFM>>(

@@ -255,6 +255,10 @@ class UlfmGroup:
     def _debug_kill_at(self, point: str, delay_us: int = 0) -> None:
         self._comm._debug_kill_at(point, int(delay_us))
 
+    def _debug_split_data(self, parts: int) -> None:
+        """Test hook: CPU all-reduces go as ``parts`` MPI calls (set it on every member)."""
+        self._comm._debug_split_data(int(parts))
+
     def _debug_fail_next_data(self) -> None:
         self._comm._debug_fail_next_data()
 

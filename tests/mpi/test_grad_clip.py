@@ -70,25 +70,25 @@ def test_clipping_s2_verify_replays_it(clipped_run):
     assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-4000:]
 
 
-def test_clipping_s2_norm_is_the_one_process_norm(clipped_run):
-    """The norm the S=2 run agreed on (squared norms of the 4 ranks summed in the consensus
-    vector, / live replicas) is the global norm of the step-0 gradient computed in ONE process
-    over the recorded microbatches (/ B). (verify alone cannot tell a clipped AdamW run from an
-    unclipped one over a few steps: Adam's update is nearly invariant to a per-step scale.)"""
+def one_process_norm(out: Path, step: int) -> tuple[float, dict]:
+    """(The global norm of ``step``'s gradient computed in ONE process over the microbatches
+    the step record lists / its divisor, the step record). The model holds the run's parameters
+    before ``step``: built from the seed for step 0, else the snapshot saved after step - 1."""
     import math
-
-    import torch
 
     from recover_hsdp.data import Tokenizer, build_microbatch_source
     from recover_hsdp.model import build_model, next_token_loss
     from recover_hsdp.optim import grad_sq_norm
+    from recover_hsdp.verify.compare import _Comparator
     from recover_hsdp.verify.spec import RunSpec
 
-    p, out = clipped_run
-    assert p.returncode == 0
     spec = RunSpec.load(out)
-    rec = _steps(out)[0]
+    rec = _steps(out)[step]
+    assert rec["step"] == step, rec
     model = build_model(spec.model_cfg, seed=spec.seed)
+    if step > 0:
+        assert _Comparator(spec, rel_floor=0.0).load_into(model, step - 1), \
+            f"no parameter snapshot of step {step - 1}"
     src = build_microbatch_source(spec.data_cfg, 0, spec.w_init,
                                   Tokenizer(spec.data_cfg.tokenizer))
     for r, ids in rec["contributions"].items():
@@ -97,7 +97,27 @@ def test_clipping_s2_norm_is_the_one_process_norm(clipped_run):
             next_token_loss(model(x), y, tokens_per_microbatch=spec.tokens_per_microbatch
                             ).backward()
     sq, _ = grad_sq_norm([q.grad for q in model.parameters()])
-    assert math.isclose(math.sqrt(sq) / rec["divisor"], rec["local"]["grad_norm"], rel_tol=1e-4)
+    return math.sqrt(sq) / rec["divisor"], rec
+
+
+@pytest.mark.parametrize("step", [0, 1], ids=["step0", "failure_step1"])
+def test_clipping_s2_norm_is_the_one_process_norm(clipped_run, step):
+    """The norm the S=2 run agreed on (squared norms of the 4 ranks summed in the consensus
+    vector, / live replicas) is the global norm of the step's gradient computed in ONE process
+    over the recorded microbatches (/ B): at step 0, and at step 1, the step in whose reduction
+    replica 1 was SIGKILLed (its norm is that of the gradient the survivors committed, not of a
+    partial reduction or of the dead replica's share). (verify alone cannot tell a clipped AdamW
+    run from an unclipped one over a few steps: Adam's update is nearly invariant to a per-step
+    scale.)"""
+    import math
+
+    p, out = clipped_run
+    assert p.returncode == 0
+    norm, rec = one_process_norm(out, step)
+    if step == 1:   # the failure step: the loss is recorded, and replica 1 contributed nothing
+        assert rec["failures"], rec
+        assert "1" not in rec["contributions"] or not rec["contributions"]["1"], rec
+    assert math.isclose(norm, rec["local"]["grad_norm"], rel_tol=1e-4), (norm, rec["local"])
 
 
 def test_nonfinite_gradient_skips_the_update_and_verify_replays_it(tmp_path):

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from recover_hsdp.launch import STOP_GRACE_S
+from tests._wait import Deadline, wait_dead
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
@@ -155,7 +158,9 @@ def test_ctrl_c_stops_mpirun_and_every_rank(tmp_path):
     assert ranks, out
     assert proc.returncode == 130, out
     assert "INTERRUPTED" in out
-    deadline = time.monotonic() + 5
-    while _alive(ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # the launcher returned 130 after stopping the job; each rank's death itself (pidfd), one
+    # bound: 3x the launcher's stop grace (SIGTERM, then SIGKILL after STOP_GRACE_S)
+    dl = Deadline(3 * STOP_GRACE_S)
+    for pid in ranks:
+        wait_dead(pid, dl, "a fake rank after the Ctrl-C")
     assert _alive(ranks) == [], "ranks left running"
