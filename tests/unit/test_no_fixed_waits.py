@@ -23,6 +23,11 @@ ALLOWED = {
     ("_wait.py", "until"): "paces the predicate loop; the predicate decides",
     ("mpi/workers/_worker.py", "wait_marks"): "a rank paces its poll of its peers' marker "
                                               "files; the markers decide (bounded)",
+    ("unit/test_record_crash.py", "test_sigkill_mid_run_loses_no_completed_step"):
+        "a random 0-5 ms jitter so the SIGKILL lands anywhere in a write: every moment must "
+        "pass, no order is decided",
+    ("unit/test_train_cli_launch.py", "fake_worker"):
+        "a fake rank PROGRAM: its sleep plays a hung rank; store.wait waits on a key (an event)",
 }
 
 
