@@ -139,12 +139,15 @@ def new_shard_groups(
     *,
     backend: str | None = None,
     timeout_s: float | None = None,
+    device: torch.device | str | None = None,
 ) -> dist.ProcessGroup:
     """Create one shard group per replica; return this rank's.
 
     Collective over the WHOLE default group: every rank creates every replica's group, in replica
     order (torch.distributed.new_group's contract), so call it once, at the same point, everywhere.
-    ``backend`` defaults to nccl when CUDA is available, else gloo. ``timeout_s`` bounds how long a
+    ``backend`` defaults to the one of the device this rank trains on (:func:`shard_backend`:
+    nccl for a CUDA device, gloo for cpu, whatever the machine has; ``device`` None:
+    :func:`local_device`). ``timeout_s`` bounds how long a
     collective waits for a hung peer (gloo raises; NCCL's watchdog aborts the process).
     """
     if not dist.is_initialized():
@@ -156,7 +159,7 @@ def new_shard_groups(
         )
     if dist.get_rank() != topology.rank:
         raise ValueError(f"topology.rank {topology.rank} != torch rank {dist.get_rank()}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or shard_backend(device if device is not None else local_device())
     timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
     mine = None
     for replica in range(topology.replicas):
@@ -170,17 +173,54 @@ def new_shard_groups(
     return mine
 
 
-def local_device() -> torch.device:
-    """cuda:<local rank> (and make it current) when CUDA is available, else cpu.
+def local_rank() -> int:
+    """This rank's index on its node: OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else LOCAL_RANK, else 0."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"):
+        if os.environ.get(name) is not None:
+            return int(os.environ[name])
+    return 0
 
-    Local rank: OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else LOCAL_RANK, else 0. Call before
+
+def cuda_index(local: int, visible: int, gpus_per_node: int | None = None) -> int:
+    """THE rank -> GPU mapping (every caller uses it): ``local % (gpus_per_node or visible)``.
+
+    ``visible``: torch.cuda.device_count() (what CUDA_VISIBLE_DEVICES lets this process see).
+    Several ranks may share a GPU; ``gpus_per_node`` outside 1..visible is a ValueError."""
+    g = int(gpus_per_node) if gpus_per_node else int(visible)
+    if not 1 <= g <= visible:
+        raise ValueError(f"run.gpus_per_node({gpus_per_node}) must be in 1..{visible} "
+                         f"(visible GPUs)")
+    return int(local) % g
+
+
+def local_device(gpus_per_node: int | None = None) -> torch.device:
+    """cuda:(local rank % visible GPUs) (and make it current) when CUDA is available, else cpu.
+
+    The mapping is :func:`cuda_index` (``gpus_per_node`` narrows the visible GPUs). Call before
     :func:`new_shard_groups` with nccl: NCCL binds a communicator to the current device.
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
+    dev = torch.device("cuda", cuda_index(local_rank(), torch.cuda.device_count(), gpus_per_node))
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def shard_backend(device: torch.device | str) -> str:
+    """The shard groups' backend for a rank on ``device``: nccl for cuda, gloo otherwise (a CPU
+    run on a GPU machine stays on gloo: ``--cpu`` means CPU everywhere)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def shard_barrier(group: dist.ProcessGroup, device: torch.device | str | None) -> None:
+    """``dist.barrier`` over a shard group; on a CUDA device with ``device_ids`` (NCCL would
+    otherwise guess the device: a warning, or a hang when ranks share a GPU)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        dist.barrier(group=group, device_ids=[dev.index if dev.index is not None
+                                              else torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
 
 
 def _parse_host_port(address: str) -> tuple[str, int]:

@@ -1,0 +1,106 @@
+"""Issue 24: the first GPU run must work the first time. Resolved on CPU with CUDA faked (a
+patched ``torch.cuda``): device mapping, backend choice, shard barrier, distinct GPUs, NCCL
+bounds, core dumps."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as a machine with ``n`` GPUs would show it (set_device recorded)."""
+    state = {"n": 1, "current": None}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: state["n"])
+
+    def set_device(d):
+        state["current"] = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: (state["current"] or
+                                                               torch.device("cuda", 0)).index)
+    for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    return state
+
+
+# --- item 1: one mapping for local_device and rank_device ------------------------------------
+def test_local_device_wraps_the_local_rank_over_the_visible_gpus(fake_cuda, monkeypatch):
+    from recover_hsdp.hsdp import fsdp_hybrid as fh
+    from recover_hsdp.hsdp.trainer import rank_device
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    # one visible GPU (a one-GPU machine, or CUDA_VISIBLE_DEVICES binding): cuda:0, not cuda:3
+    assert fh.local_device() == torch.device("cuda", 0)
+    assert fake_cuda["current"] == torch.device("cuda", 0)
+    assert rank_device(None, 1) == torch.device("cuda", 0)
+    fake_cuda["n"] = 2
+    assert fh.local_device() == torch.device("cuda", 1)
+    assert rank_device(None, 1) == fh.local_device()
+    assert rank_device(1, 1) == torch.device("cuda", 0)          # gpus_per_node narrows it
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        rank_device(3, 1)
+
+
+# --- item 3: the backend follows the rank's device; --cpu means CPU everywhere ---------------
+def test_cpu_device_on_a_gpu_machine_means_gloo_shard_groups(fake_cuda, monkeypatch):
+    from recover_hsdp.hsdp import topology
+    from recover_hsdp.hsdp.trainer import rank_device
+
+    fake_cuda["n"] = 4
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(kw["backend"]) or
+                        object())
+    topo = topology.HybridTopology(1, 2, 0)
+    dev = rank_device(None, 2, "cpu")
+    assert dev == torch.device("cpu")
+    topology.new_shard_groups(topo, device=dev)
+    assert made == ["gloo"]
+    topology.new_shard_groups(topo, device=torch.device("cuda", 0))
+    assert made == ["gloo", "nccl"]
+    # no device given: the one the rank would train on (local_device: cuda here)
+    topology.new_shard_groups(topo)
+    assert made[-1] == "nccl"
+
+
+def test_bench_gpu_cpu_passes_run_device_cpu_to_every_run(fake_cuda, tmp_path):
+    from recover_hsdp.bench.gpu import Bench, parse_args
+    from recover_hsdp.config.groups import RunConfig, TrainConfigError
+
+    b = Bench(parse_args(["--cpu", "--out", str(tmp_path)]))
+    assert b.cpu and b.dev == "cpu"
+    assert "run.device=cpu" in b.big and "run.device=cpu" in b.small
+    assert RunConfig(device="cpu").device == "cpu"
+    with pytest.raises(TrainConfigError, match="run.device"):
+        RunConfig(device="gpu")
+
+
+def test_run_device_cuda_without_cuda_is_one_clear_error(monkeypatch):
+    from recover_hsdp.hsdp.trainer import rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device(None, 1) is None
+    assert rank_device(None, 1, "cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        rank_device(None, 1, "cuda")
+
+
+# --- item 5: dist.barrier(shard_pg) names the device on NCCL ---------------------------------
+@pytest.mark.parametrize("device,ids", [(torch.device("cuda", 1), [1]),
+                                        (torch.device("cpu"), None)])
+def test_manager_shard_barrier_passes_device_ids_on_cuda(monkeypatch, device, ids):
+    from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
+
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+    mgr = HSDPULFMTrainingManager.__new__(HSDPULFMTrainingManager)
+    mgr.S, mgr.shard_pg, mgr.device = 2, "PG", device
+    mgr._shard_barrier()
+    assert calls == [{"group": "PG", **({"device_ids": ids} if ids else {})}]
