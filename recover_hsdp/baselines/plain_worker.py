@@ -232,8 +232,8 @@ def run_plain_worker(cfg: Any) -> int:
     shard_pg = fh.new_shard_groups(topo, backend=backend, timeout_s=timeout_s)
     replicate_pg = None
     for j in range(S):
-        g = dist.new_group(topo.replicate_ranks(j), backend=backend,
-                           timeout=timedelta(seconds=timeout_s), group_desc=f"replicate{j}")
+        g = dist.new_group(topo.replicate_ranks(j), backend=backend, group_desc=f"replicate{j}",
+                           timeout=timedelta(seconds=fh.shard_group_timeout_s(backend, timeout_s)))
         if j == shard_index:
             replicate_pg = g
     # DCP's own coordination group (async_save runs its collectives on a background thread)

@@ -117,6 +117,9 @@ class HSDPULFMTrainingManager:
                  grad_clip: Optional[float] = None,
                  max_skipped_steps: int = 3, standby: int = 0):
         fh.check_torch_version()
+        from recover_hsdp.hsdp.topology import limit_core_dumps
+
+        limit_core_dumps()      # also when the caller initialised torch.distributed itself
         if not dist.is_initialized():
             fh.init_distributed_from_env(backend="gloo")
         from recover_hsdp.collectives import UlfmGroup

@@ -24,6 +24,16 @@ ENV_STORE = "RECOVER_HSDP_STORE"
 ENV_SHARD_TIMEOUT = "RECOVER_HSDP_SHARD_TIMEOUT_S"
 DEFAULT_SHARD_TIMEOUT_S = 60.0
 DEFAULT_STORE_TIMEOUT_S = 120.0
+#: The longest phase an announced long phase (failstop.long_phase) may keep a rank from its
+#: shard-group mates: a synchronous DCP save by the saving replica (optim_state_dict over the
+#: shard group; run.ckpt_async=false, the save before a relaunch, the SIGUSR1 save), bounded by
+#: its own checkpoint group's timeout (hsdp/checkpoint.py uses this constant).
+CKPT_SAVE_BOUND_S = 300.0
+#: slack over that phase before NCCL's watchdog may judge a healthy mate hung
+PHASE_MARGIN_S = 30.0
+#: "1": keep core dumps in the ranks (off by default: a GPU core dump delays the death ULFM must
+#: see by minutes and can fill the disk)
+ENV_CORE_DUMPS = "RECOVER_HSDP_CORE_DUMPS"
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +144,32 @@ def shard_timeout_s() -> float:
     return float(os.environ.get(ENV_SHARD_TIMEOUT, DEFAULT_SHARD_TIMEOUT_S))
 
 
+def shard_group_timeout_s(backend: str, shard_timeout_s: float,
+                          longest_phase_s: float = CKPT_SAVE_BOUND_S) -> float:
+    """The timeout of a shard (or replicate) group on ``backend``. gloo: ``shard_timeout_s`` (it
+    raises, and the chain of bounded waits of docs/faults.md is built on it). nccl: at least the
+    longest announced phase + PHASE_MARGIN_S, since NCCL's watchdog tears a rank down (SIGABRT)
+    at this bound: a mate of a rank in a synchronous save must not be killed for waiting. A dead
+    NCCL mate is not waited for that long: the launcher's reaper SIGKILLs the still mates of a
+    dead rank after run.hang_timeout_s (faults/reaper.py)."""
+    t = float(shard_timeout_s)
+    return max(t, float(longest_phase_s) + PHASE_MARGIN_S) if backend == "nccl" else t
+
+
+def limit_core_dumps() -> bool:
+    """RLIMIT_CORE soft limit 0 in this rank unless RECOVER_HSDP_CORE_DUMPS=1 (then left as is).
+    True when core dumps are now off. Never raises."""
+    if os.environ.get(ENV_CORE_DUMPS) == "1":
+        return False
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (ImportError, ValueError, OSError):
+        return False
+    return True
+
+
 def new_shard_groups(
     topology: HybridTopology,
     *,
@@ -148,7 +184,8 @@ def new_shard_groups(
     ``backend`` defaults to the one of the device this rank trains on (:func:`shard_backend`:
     nccl for a CUDA device, gloo for cpu, whatever the machine has; ``device`` None:
     :func:`local_device`). ``timeout_s`` bounds how long a
-    collective waits for a hung peer (gloo raises; NCCL's watchdog aborts the process).
+    collective waits for a hung peer (gloo raises; NCCL's watchdog aborts the process; on nccl
+    raised to the longest announced phase: :func:`shard_group_timeout_s`).
     """
     if not dist.is_initialized():
         raise RuntimeError("new_shard_groups: torch.distributed is not initialised")
@@ -160,7 +197,8 @@ def new_shard_groups(
     if dist.get_rank() != topology.rank:
         raise ValueError(f"topology.rank {topology.rank} != torch rank {dist.get_rank()}")
     backend = backend or shard_backend(device if device is not None else local_device())
-    timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
+    timeout = timedelta(seconds=shard_group_timeout_s(
+        backend, shard_timeout_s() if timeout_s is None else timeout_s))
     mine = None
     for replica in range(topology.replicas):
         group = dist.new_group(
@@ -254,6 +292,7 @@ def init_distributed_from_env(
     """
     rank = _env_int("OMPI_COMM_WORLD_RANK", "RANK")
     world_size = _env_int("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
+    limit_core_dumps()          # every rank: no core dump unless RECOVER_HSDP_CORE_DUMPS=1
     store_timeout = timedelta(seconds=store_timeout_s)
     if os.environ.get(ENV_STORE):
         host, port = _parse_host_port(os.environ[ENV_STORE])

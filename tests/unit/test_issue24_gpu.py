@@ -104,3 +104,48 @@ def test_manager_shard_barrier_passes_device_ids_on_cuda(monkeypatch, device, id
     mgr.S, mgr.shard_pg, mgr.device = 2, "PG", device
     mgr._shard_barrier()
     assert calls == [{"group": "PG", **({"device_ids": ids} if ids else {})}]
+
+
+# --- item 4: NCCL bounds from the longest announced phase; no core dumps unless asked --------
+def test_nccl_shard_groups_outlast_a_synchronous_checkpoint_save(fake_cuda, monkeypatch):
+    from recover_hsdp.hsdp import topology
+
+    timeouts = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: timeouts.append(
+        (kw["backend"], kw["timeout"].total_seconds())) or object())
+    topo = topology.HybridTopology(1, 2, 0)
+    topology.new_shard_groups(topo, timeout_s=60.0, device=torch.device("cuda", 0))
+    topology.new_shard_groups(topo, timeout_s=60.0, device=torch.device("cpu"))
+    (nb, nt), (gb, gt) = timeouts
+    assert nb == "nccl" and nt > 300.0          # the synchronous save's bound (300 s) + margin
+    assert gb == "gloo" and gt == 60.0          # gloo keeps the hang detector's chain
+    assert nt == topology.CKPT_SAVE_BOUND_S + topology.PHASE_MARGIN_S
+    assert topology.shard_group_timeout_s("nccl", 900.0) == 900.0   # a longer setting stays
+
+
+def test_ranks_run_without_core_dumps_unless_asked(monkeypatch):
+    import resource
+
+    from recover_hsdp.hsdp import topology
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    want = hard if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    monkeypatch.setenv(topology.ENV_STORE, "127.0.0.1:1")
+    monkeypatch.delenv("RECOVER_HSDP_CORE_DUMPS", raising=False)
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: "STORE")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: None)
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (want, hard))
+        assert topology.init_distributed_from_env() == (0, 1)
+        assert resource.getrlimit(resource.RLIMIT_CORE)[0] == 0
+        resource.setrlimit(resource.RLIMIT_CORE, (want, hard))
+        monkeypatch.setenv("RECOVER_HSDP_CORE_DUMPS", "1")          # asked for: left alone
+        topology.init_distributed_from_env()
+        assert resource.getrlimit(resource.RLIMIT_CORE)[0] == want
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
