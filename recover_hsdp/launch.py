@@ -52,12 +52,13 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
-    """``--with-ft ulfm --mca coll <FT_COLL> --oversubscribe [--allow-run-as-root] -n NP
-    [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``)."""
-    from recover_hsdp.collectives.launch import ft_coll_args
+    """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe [--allow-run-as-root]
+    -n NP [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``; ob1:
+    the only PML ULFM supports, never UCX)."""
+    from recover_hsdp.collectives.launch import ft_coll_args, ft_pml_args
 
     euid = os.geteuid() if euid is None else euid
-    args = ["--with-ft", "ulfm", *ft_coll_args(), "--oversubscribe"]
+    args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe"]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]
