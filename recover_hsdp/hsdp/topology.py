@@ -170,6 +170,32 @@ def limit_core_dumps() -> bool:
     return True
 
 
+def device_uuid(device: torch.device | str) -> str | None:
+    """The UUID of a CUDA device (unique across machines), None for any other device."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(dev).uuid)
+
+
+def check_distinct_devices(topology: HybridTopology, uuids: list) -> None:
+    """ValueError (one line) when two ranks of one replica hold the same GPU (``uuids[g]``: the
+    device UUID of global rank g, None off CUDA): NCCL refuses two ranks of one communicator on
+    one device."""
+    for replica in range(topology.replicas):
+        seen: dict = {}
+        for g in topology.replica_ranks(replica):
+            u = uuids[g]
+            if u is not None and u in seen:
+                raise ValueError(
+                    f"ranks {seen[u]} and {g} of replica {replica} are on the same GPU ({u}): "
+                    f"the parallel.shard_size({topology.shard_size}) ranks of a replica need "
+                    f"distinct GPUs (NCCL refuses two ranks of one communicator on one device); "
+                    f"set run.gpus_per_node / CUDA_VISIBLE_DEVICES so that they do")
+            if u is not None:
+                seen[u] = g
+
+
 def new_shard_groups(
     topology: HybridTopology,
     *,
@@ -199,6 +225,14 @@ def new_shard_groups(
     backend = backend or shard_backend(device if device is not None else local_device())
     timeout = timedelta(seconds=shard_group_timeout_s(
         backend, shard_timeout_s() if timeout_s is None else timeout_s))
+    if backend == "nccl" and topology.shard_size > 1:
+        # the S ranks of a replica on S distinct GPUs, judged on the devices they HOLD (UUIDs
+        # over the default group), not on device_count(): with per-rank CUDA_VISIBLE_DEVICES
+        # binding every rank sees one GPU, cuda:0, and yet they are distinct
+        uuids: list = [None] * topology.world_size
+        dist.all_gather_object(uuids, device_uuid(device if device is not None
+                                                  else local_device()))
+        check_distinct_devices(topology, uuids)
     mine = None
     for replica in range(topology.replicas):
         group = dist.new_group(

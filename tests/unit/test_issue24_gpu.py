@@ -58,13 +58,13 @@ def test_cpu_device_on_a_gpu_machine_means_gloo_shard_groups(fake_cuda, monkeypa
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(kw["backend"]) or
                         object())
-    topo = topology.HybridTopology(1, 2, 0)
-    dev = rank_device(None, 2, "cpu")
+    topo = topology.HybridTopology(2, 1, 0)     # two replicas of one rank: two groups
+    dev = rank_device(None, 1, "cpu")
     assert dev == torch.device("cpu")
     topology.new_shard_groups(topo, device=dev)
-    assert made == ["gloo"]
+    assert made == ["gloo", "gloo"]
     topology.new_shard_groups(topo, device=torch.device("cuda", 0))
-    assert made == ["gloo", "nccl"]
+    assert made == ["gloo", "gloo", "nccl", "nccl"]
     # no device given: the one the rank would train on (local_device: cuda here)
     topology.new_shard_groups(topo)
     assert made[-1] == "nccl"
@@ -116,10 +116,10 @@ def test_nccl_shard_groups_outlast_a_synchronous_checkpoint_save(fake_cuda, monk
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: timeouts.append(
         (kw["backend"], kw["timeout"].total_seconds())) or object())
-    topo = topology.HybridTopology(1, 2, 0)
+    topo = topology.HybridTopology(2, 1, 0)
     topology.new_shard_groups(topo, timeout_s=60.0, device=torch.device("cuda", 0))
     topology.new_shard_groups(topo, timeout_s=60.0, device=torch.device("cpu"))
-    (nb, nt), (gb, gt) = timeouts
+    (nb, nt), _, (gb, gt), _ = timeouts
     assert nb == "nccl" and nt > 300.0          # the synchronous save's bound (300 s) + margin
     assert gb == "gloo" and gt == 60.0          # gloo keeps the hang detector's chain
     assert nt == topology.CKPT_SAVE_BOUND_S + topology.PHASE_MARGIN_S
@@ -149,3 +149,44 @@ def test_ranks_run_without_core_dumps_unless_asked(monkeypatch):
         assert resource.getrlimit(resource.RLIMIT_CORE)[0] == want
     finally:
         resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+
+
+# --- item 2: S >= 2 on distinct GPUs, judged on the devices the ranks hold (UUIDs) -----------
+def _gather(monkeypatch, uuids):
+    """dist as a 2-rank world whose ranks report ``uuids`` when the groups are made."""
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(uuids))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(ranks) or object())
+
+    def all_gather_object(out, obj, group=None):
+        assert obj == uuids[0]          # this rank's own device's UUID
+        out[:] = list(uuids)
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    return made
+
+
+def test_per_rank_gpu_binding_allows_s2_and_a_shared_gpu_is_refused(fake_cuda, monkeypatch):
+    from recover_hsdp.hsdp import topology
+    from recover_hsdp.hsdp.trainer import rank_device
+
+    class Props:
+        def __init__(self, uuid):
+            self.uuid = uuid
+
+    fake_cuda["n"] = 1         # CUDA_VISIBLE_DEVICES=<one GPU per rank>: device_count() == 1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props("GPU-aaaa"))
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    dev = rank_device(None, 2)                 # a valid S=2 layout: not refused on the count
+    assert dev == torch.device("cuda", 0)
+    topo = topology.HybridTopology(1, 2, 0)
+    made = _gather(monkeypatch, ["GPU-aaaa", "GPU-bbbb"])     # distinct physical GPUs
+    topology.new_shard_groups(topo, device=dev)
+    assert made == [[0, 1]]
+    _gather(monkeypatch, ["GPU-aaaa", "GPU-aaaa"])           # both ranks on one GPU
+    with pytest.raises(ValueError, match=r"ranks 0 and 1 of replica 0 are on the same GPU"):
+        topology.new_shard_groups(topo, device=dev)
+    # W=2, S=1 on one GPU (ranks share it across replicas): allowed
+    topology.check_distinct_devices(topology.HybridTopology(2, 1, 0), ["GPU-aaaa"] * 2)
