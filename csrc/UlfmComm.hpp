@@ -96,6 +96,11 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   // peers still finishing the same collective; the test also holds the next call back until
   // the peers have left this one).
   void debugFailNextData();
+  // Route CPU tensors through the staged loop (on) and throw inside it before reducing chunk
+  // `throw_at_chunk` (-1: never): a CUDA error's path, on CPU (issue 24 item 8).
+  void debugStageCpu(bool on, int64_t throw_at_chunk);
+  // The chunk size (bytes) every member's data collectives use, agreed at world creation.
+  static int64_t stageChunkBytesAgreed();
 
  private:
   UlfmComm(MPI_Comm comm, std::vector<int64_t> world_ranks);
@@ -135,6 +140,8 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   int64_t debug_split_ = 1;
   bool fail_next_data_ = false;
   bool revoke_at_next_call_ = false;
+  bool stage_cpu_ = false;       // test hook: CPU tensors through the staged loop
+  int64_t throw_at_chunk_ = -1;  // test hook: throw before reducing this chunk
   at::Tensor stage_;  // pinned host staging buffer (bytes): allocated once, grown as needed
 };
 

@@ -52,12 +52,13 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
-    """``--with-ft ulfm --mca coll <FT_COLL> --oversubscribe [--allow-run-as-root] -n NP
-    [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``)."""
-    from recover_hsdp.collectives.launch import ft_coll_args
+    """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe [--allow-run-as-root]
+    -n NP [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``; ob1:
+    the only PML ULFM supports, never UCX)."""
+    from recover_hsdp.collectives.launch import ft_coll_args, ft_pml_args
 
     euid = os.geteuid() if euid is None else euid
-    args = ["--with-ft", "ulfm", *ft_coll_args(), "--oversubscribe"]
+    args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe"]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]
@@ -105,7 +106,7 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
              "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1",
              "RECOVER_HSDP_STARTUP_FAULT", "RECOVER_HSDP_TEST_FAULT",
              "RECOVER_HSDP_ALLOW_TEST_FAULT", "RECOVER_HSDP_TEST_SHARD_WEDGE_S",
-             "RECOVER_HSDP_TEST_GATE"]
+             "RECOVER_HSDP_TEST_GATE", "RECOVER_HSDP_CORE_DUMPS"]
     return [n for n in names if n in env]
 
 

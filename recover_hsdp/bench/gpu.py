@@ -173,9 +173,11 @@ class Bench:
         self.steps = args.steps or (6 if not self.cpu else 5)
         # CPU: the tiny model at a short sequence; GPU: the issue's llama_1b shape
         if self.cpu:
+            # run.device=cpu: --cpu means CPU everywhere (gloo shard groups, verify on cpu) even
+            # on a GPU machine (issue 24 item 3)
             self.big = ["model=llama_debug", "parallel.seq_len=32", "parallel.micro_batch_size=2",
-                        "parallel.grad_accum=2", "optim.warmup_steps=2"]
-            self.small = ["parallel.seq_len=32", "parallel.micro_batch_size=2"]
+                        "parallel.grad_accum=2", "optim.warmup_steps=2", "run.device=cpu"]
+            self.small = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.device=cpu"]
         else:
             self.big = ["model=llama_1b", "parallel.seq_len=2048", "parallel.micro_batch_size=4",
                         "parallel.grad_accum=2", "optim.warmup_steps=2"]

@@ -262,6 +262,10 @@ class UlfmGroup:
     def _debug_fail_next_data(self) -> None:
         self._comm._debug_fail_next_data()
 
+    def _debug_stage_cpu(self, on: bool = True, throw_at_chunk: int = -1) -> None:
+        """TEST ONLY: CPU tensors through the staged (CUDA) loop; raise before chunk k."""
+        self._comm._debug_stage_cpu(bool(on), int(throw_at_chunk))
+
     def __repr__(self) -> str:
         return (f"UlfmGroup(name={self._name!r}, rank={self.rank}, size={self.size}, "
                 f"epoch={self.epoch}, global_ranks={list(self.global_ranks)})")

@@ -128,15 +128,16 @@ def test_mpirun_command_as_root_and_not(monkeypatch):
                                 mpirun_args=["--bind-to", "none"],
                                 export=["RECOVER_HSDP_STORE", "OMP_NUM_THREADS"], euid=0)
     assert cmd == ["/x/mpirun", "--with-ft", "ulfm", "--mca", "coll",
-                   "self,basic,tuned,libnbc,ftagree", "--oversubscribe", "--allow-run-as-root",
+                   "self,basic,tuned,libnbc,ftagree", "--mca", "pml", "ob1", "--oversubscribe",
+                   "--allow-run-as-root",
                    "-n", "4", "-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
                    "--bind-to", "none",
                    "/venv/bin/python", "-m", "recover_hsdp.train", "--worker",
                    "/r/launcher/config.yaml"]
     cmd = launch.mpirun_command(2, "c.yaml", mpirun="mpirun", euid=1000)
-    assert "--allow-run-as-root" not in cmd and cmd[1:9] == [
+    assert "--allow-run-as-root" not in cmd and cmd[1:12] == [
         "--with-ft", "ulfm", "--mca", "coll", "self,basic,tuned,libnbc,ftagree",
-        "--oversubscribe", "-n", "2"]
+        "--mca", "pml", "ob1", "--oversubscribe", "-n", "2"]
     assert "han" not in cmd[5].split(",")      # failure-safe collectives only (issue 12)
 
 
@@ -167,7 +168,8 @@ def test_dry_run_prints_the_launch(tmp_path, capsys, monkeypatch):
     assert f"# run directory: {tmp_path}/out" in out
     line = out.strip().splitlines()[-1]
     assert "OMP_NUM_THREADS=1" in line and "RECOVER_HSDP_SHARD_TIMEOUT_S=60.0" in line
-    assert "--with-ft ulfm --mca coll self,basic,tuned,libnbc,ftagree --oversubscribe" in line
+    assert ("--with-ft ulfm --mca coll self,basic,tuned,libnbc,ftagree --mca pml ob1 "
+            "--oversubscribe") in line
     assert " -n 4 " in line
     assert ("--allow-run-as-root" in line) == (os.geteuid() == 0)
     assert line.endswith(f"--bind-to none {sys.executable} -m recover_hsdp.train --worker "
