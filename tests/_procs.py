@@ -209,6 +209,61 @@ def _set(value: str | None) -> str | None:
     return old
 
 
+#: the default ceiling (pyproject's [tool.pytest.ini_options] timeout)
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def pytest_timeout_of(item) -> float:
+    """The pytest-timeout ceiling of ``item`` (its mark, else the command line/ini, else 300)."""
+    m = item.get_closest_marker("timeout")
+    if m is not None:
+        t = m.args[0] if m.args else m.kwargs.get("timeout")
+        if t is not None:
+            return float(t)
+    for get in (lambda: item.config.getoption("timeout"), lambda: item.config.getini("timeout")):
+        try:
+            t = get()
+        except (ValueError, KeyError):
+            continue
+        if t not in (None, ""):
+            return float(t)
+    return DEFAULT_TIMEOUT_S
+
+
+def budget_below(timeout_s: float) -> float:
+    """A test's one budget: its ceiling less a margin for set-up, teardown and the leak check."""
+    return timeout_s - max(10.0, 0.05 * timeout_s)
+
+
+_DL = pytest.StashKey[Deadline]()
+_CURRENT: list = [None]        # the item being run (for module-scoped fixtures)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The test's one Deadline starts with its set-up, as pytest-timeout's timer does."""
+    item.stash[_DL] = Deadline(budget_below(pytest_timeout_of(item)))
+    _CURRENT[0] = item
+
+
+def current_deadline() -> Deadline:
+    """The running test's one Deadline (below its pytest timeout, counted from its set-up), for
+    code that has no ``deadline`` fixture: a module-scoped fixture runs inside the set-up of the
+    first test that needs it, and spends that test's budget."""
+    item = _CURRENT[0]
+    if item is None or _DL not in item.stash:
+        return Deadline(budget_below(DEFAULT_TIMEOUT_S))
+    return item.stash[_DL]
+
+
+@pytest.fixture
+def deadline(request) -> Deadline:
+    """The test's one Deadline, below its pytest timeout: hand ``deadline.left()`` to every
+    inner wait and subprocess timeout, so they add up to less than the ceiling."""
+    dl = request.node.stash.get(_DL, None)
+    return dl if dl is not None else Deadline(budget_below(pytest_timeout_of(request.node)))
+
+
 @pytest.fixture(autouse=True)
 def _test_id(request):
     """The test's id in the environment for its whole duration; after the function fixtures'
