@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from recover_hsdp.hsdp.fsdp_hybrid import serve_store
-from tests._procs import run
+from tests._procs import current_deadline, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,11 @@ def mpirun_prefix(n: int) -> list[str]:
     return cmd
 
 
-def run_training(cfg: dict, *, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_training(cfg: dict, *, timeout: float | None = None,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """The trainer under mpirun; ``timeout`` defaults to what is left of the test's one budget."""
+    if timeout is None:
+        timeout = round(current_deadline().left())
     run_dir = Path(cfg["run"]["output_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / (run_dir.name + ".resolved.yaml")

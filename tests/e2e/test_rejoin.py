@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import load_params, param_copies, read_run
+from tests._procs import current_deadline, kill_tree
 from tests.e2e._launch import run_training
 from tests.e2e.test_hsdp_kills import K, _cfg, _verify
 
@@ -33,7 +34,7 @@ W, G, STEPS = 3, 2, 6
 def _run(tmp_path, schedule, *, S=1, standby=1, steps=STEPS):
     cfg = _cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, steps=steps)
     cfg["parallel"]["standby"] = standby
-    out = run_training(cfg, timeout=400)
+    out = run_training(cfg, timeout=current_deadline().left())   # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     rec = read_run(run_dir)
@@ -158,8 +159,8 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     t_stop = None
     try:
-        deadline = time.monotonic() + 300
-        while t_stop is None and time.monotonic() < deadline and p.poll() is None:
+        dl = current_deadline()               # the test's one budget (400 s ceiling)
+        while t_stop is None and not dl.expired() and p.poll() is None:
             sd = out / "steps"
             if sd.is_dir() and any(f.read_text().strip() for f in sd.glob("rank*.jsonl")):
                 pid = _pids(out).get(victim)          # after the first commit: idle, in a round
@@ -167,10 +168,10 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
                     os.kill(pid, signal.SIGSTOP)
                     t_stop = time.time()
             time.sleep(0.05)
-        stdout, _ = p.communicate(timeout=300)
+        stdout, _ = p.communicate(timeout=dl.left())
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
             p.communicate()
     assert t_stop is not None, f"never reached the first commit:\n{stdout[-4000:]}"
     assert p.returncode == 0, stdout[-4000:]
