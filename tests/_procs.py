@@ -213,7 +213,7 @@ def _set(value: str | None) -> str | None:
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def pytest_timeout_of(item) -> float:
+def timeout_of(item) -> float:
     """The pytest-timeout ceiling of ``item`` (its mark, else the command line/ini, else 300)."""
     m = item.get_closest_marker("timeout")
     if m is not None:
@@ -242,7 +242,7 @@ _CURRENT: list = [None]        # the item being run (for module-scoped fixtures)
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """The test's one Deadline starts with its set-up, as pytest-timeout's timer does."""
-    item.stash[_DL] = Deadline(budget_below(pytest_timeout_of(item)))
+    item.stash[_DL] = Deadline(budget_below(timeout_of(item)))
     _CURRENT[0] = item
 
 
@@ -261,7 +261,7 @@ def deadline(request) -> Deadline:
     """The test's one Deadline, below its pytest timeout: hand ``deadline.left()`` to every
     inner wait and subprocess timeout, so they add up to less than the ceiling."""
     dl = request.node.stash.get(_DL, None)
-    return dl if dl is not None else Deadline(budget_below(pytest_timeout_of(request.node)))
+    return dl if dl is not None else Deadline(budget_below(timeout_of(request.node)))
 
 
 @pytest.fixture(autouse=True)

@@ -113,3 +113,11 @@ def test_run_kills_the_tree_on_timeout():
     pid = int(e.value.output.split()[0])
     wait_dead(pid, Deadline(30), "the grandchild in its own session")
     assert tagged(os.environ[ENV_TEST_ID], prefix=True) == []
+
+
+@pytest.mark.timeout(120)
+def test_deadline_is_the_tests_one_budget_below_its_ceiling(deadline):
+    from tests._procs import current_deadline
+
+    assert deadline.total == 110 and current_deadline() is deadline
+    assert 0 < deadline.left() <= 110
