@@ -292,12 +292,12 @@ def pytest_runtest_call(item):
         # the call failed (a pytest-timeout SIGALRM included): kill what it left, say so, and
         # let its own failure stand
         _set(old)
-        leaked = kill_tagged(f"{tid}:call")
+        leaked = kill_tagged(f"{tid}:call", prefix=True)   # tests._procs.run adds :runN
         if leaked:
             sys.stderr.write(_report(item.nodeid, leaked) + "\n")
         raise
     _set(old)
-    leaked = kill_tagged(f"{tid}:call")
+    leaked = kill_tagged(f"{tid}:call", prefix=True)   # tests._procs.run adds :runN
     if leaked:
         pytest.fail(_report(item.nodeid, leaked), pytrace=False)
     return res

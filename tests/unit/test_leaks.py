@@ -19,14 +19,18 @@ LEAKY = textwrap.dedent('''
     import os, pathlib, signal, subprocess
     import pytest
 
-    def _leak(name):
+    def _leak(name, sub=""):
         # its own session: a process-group kill of the test's children would not reach it
-        p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        env = dict(os.environ, RECOVER_HSDP_TEST_ID=os.environ["RECOVER_HSDP_TEST_ID"] + sub)
+        p = subprocess.Popen(["sleep", "1000"], start_new_session=True, env=env)
         pathlib.Path(os.environ["PIDS"], name).write_text(str(p.pid))
         return p
 
     def test_leaks():
         _leak("leaks")
+
+    def test_leaks_from_run():
+        _leak("sub", ":run7")       # the sub-id tests._procs.run gives its child
 
     def test_clean():
         p = _leak("clean")
@@ -65,11 +69,13 @@ def _inner(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dic
 def test_leaked_process_is_killed_and_the_test_fails(tmp_path):
     p, pids = _inner(tmp_path)
     out = p.stdout + p.stderr
-    assert set(pids) == {"leaks", "clean", "hangs", "fixture"}, out
+    assert set(pids) == {"leaks", "sub", "clean", "hangs", "fixture"}, out
     for name, pid in pids.items():
         assert _not_running(pid), f"{name}'s sleep (pid {pid}) is still running:\n{out}"
     assert "FAILED test_leaky.py::test_leaks" in out, out
     assert f"pid {pids['leaks']}: sleep 1000" in out, out
+    assert "FAILED test_leaky.py::test_leaks_from_run" in out, out
+    assert f"pid {pids['sub']}: sleep 1000" in out, out
     assert "PASSED test_leaky.py::test_clean" in out, out
     assert "FAILED test_leaky.py::test_hangs" in out and "Timeout" in out, out
     assert f"pid {pids['hangs']}: sleep 1000" in out, out
