@@ -105,7 +105,7 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
              "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1",
              "RECOVER_HSDP_STARTUP_FAULT", "RECOVER_HSDP_TEST_FAULT",
              "RECOVER_HSDP_ALLOW_TEST_FAULT", "RECOVER_HSDP_TEST_SHARD_WEDGE_S",
-             "RECOVER_HSDP_TEST_STEP_DELAY_S",
+             "RECOVER_HSDP_TEST_GATE",
              "RECOVER_HSDP_TEST_ID"]   # the test suite's tag: a leaked rank is found by it
     return [n for n in names if n in env]
 
@@ -223,11 +223,13 @@ def _pump(src: IO[bytes], sinks: Sequence[IO[bytes]]) -> None:
 def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.PathLike | None
             = None, time_limit_s: float | None = None, stdout: IO[bytes] | None = None,
             grace_s: float = STOP_GRACE_S,
-            watch: Callable[[], str | None] | None = None) -> JobOutcome:
+            watch: Callable[[], str | None] | None = None,
+            ended: Callable[[], str | None] | None = None) -> JobOutcome:
     """Run ``cmd`` (mpirun ...) to completion, streaming its merged stdout/stderr to ``stdout``
     (default: this process's stdout) and ``log_path``. Ctrl-C, SIGTERM to the launcher, or
     ``time_limit_s`` stop the job (:func:`stop_job`); the outcome says which. ``watch`` (polled
-    every 0.2 s) returning a line stops it too: a start-up failure (faults/startup.py)."""
+    every 0.2 s) returning a line stops it too: a start-up failure (faults/startup.py). So does
+    ``ended`` (faults/startup.EndWatch): every rank ended, mpirun did not (outcome "ended")."""
     out = stdout if stdout is not None else sys.stdout.buffer
     log = open(log_path, "ab") if log_path is not None else None
     t0 = time.monotonic()
@@ -254,6 +256,11 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
                 reason = watch()
                 if reason:
                     raise _Stop("startup")
+            if ended is not None:
+                reason = ended()
+                if reason:
+                    print(f"[recover-hsdp] {reason}", file=sys.stderr, flush=True)
+                    raise _Stop("ended")
             try:
                 proc.wait(0.2)
             except subprocess.TimeoutExpired:
@@ -265,8 +272,8 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-        if proc.poll() is None:
-            stop_job(proc, grace_s)
+        if proc.poll() is None:   # every rank ended: nothing left for mpirun to tear down
+            stop_job(proc, 0.5 if stopped == "ended" else grace_s)
         pump.join(5)
         if log is not None:
             log.close()

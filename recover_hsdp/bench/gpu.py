@@ -125,7 +125,9 @@ def model_flops_per_token(model: str, seq_len: int, vocab: int = 4096) -> tuple[
     """(training FLOP per token: 6 N + 12 L d T, parameter count N) from conf/model/<model>.yaml."""
     import yaml
 
-    c = yaml.safe_load((REPO / "conf" / "model" / f"{model}.yaml").read_text())
+    from recover_hsdp.config.groups import CONF_DIR
+
+    c = yaml.safe_load((CONF_DIR / "model" / f"{model}.yaml").read_text())
     d, L, ffn = int(c["d_model"]), int(c["n_layers"]), int(c["ffn_dim"])
     hd = d // int(c["n_heads"])
     kv = int(c["n_kv_heads"]) * hd

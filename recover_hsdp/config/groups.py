@@ -13,8 +13,10 @@ from recover_hsdp.optim import OptimConfig
 # and recover_hsdp.model import torch in their package __init__, and a worker rank (load_config)
 # or an error message should not pay for that.
 
-#: The Hydra config directory (the repository's conf/).
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+#: The Hydra config directory: the repository's top-level conf/ in a checkout (editable install),
+#: the copy a wheel carries inside the package (setup.py's build_py puts it at recover_hsdp/conf)
+_PKG = Path(__file__).resolve().parents[1]
+CONF_DIR = _PKG / "conf" if (_PKG / "conf" / "config.yaml").is_file() else _PKG.parent / "conf"
 CONFIG_NAME = "config"
 SCHEMA_NAME = "train_schema"
 POLICIES = ("static", "adaptive")

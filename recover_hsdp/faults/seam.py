@@ -26,6 +26,7 @@ from typing import Mapping, Optional
 
 ENV_FAULT = "RECOVER_HSDP_TEST_FAULT"
 ENV_ALLOW = "RECOVER_HSDP_ALLOW_TEST_FAULT"
+ENV_GATE = "RECOVER_HSDP_TEST_GATE"   # the test gate (faults/gate.py): same allow variable
 KINDS = ("extra_mb", "drop_mb", "double_mb", "stale_bucket")
 
 
@@ -64,6 +65,9 @@ def parse(text: str) -> list[TestFault]:
 def refusal(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """None when the seam is off or explicitly allowed; else the one-line reason to refuse."""
     env = os.environ if env is None else env
+    if env.get(ENV_GATE) and env.get(ENV_ALLOW) != "1":
+        return (f"{ENV_GATE} is set: a test-only gate that holds training at a step; unset it "
+                f"(tests also set {ENV_ALLOW}=1)")
     if not env.get(ENV_FAULT):
         return None
     if env.get(ENV_ALLOW) != "1":

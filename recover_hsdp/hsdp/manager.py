@@ -186,6 +186,9 @@ class HSDPULFMTrainingManager:
         from recover_hsdp.hsdp.fault_seam import RunFaults
 
         self.seam = RunFaults.from_env()  # test only: None unless RECOVER_HSDP_TEST_FAULT allowed
+        from recover_hsdp.faults.gate import Gate
+
+        self.gate = Gate.from_env(self.rank)  # test only: None unless RECOVER_HSDP_TEST_GATE allowed
 
     def _make_orchestrator(self) -> StepTxnOrchestrator:
         self.orch = StepTxnOrchestrator(
@@ -298,6 +301,8 @@ class HSDPULFMTrainingManager:
             raise
 
     def _train_step(self) -> StepMetrics:
+        if self.gate is not None:
+            self.gate.before_step(self.step)   # test only: a marker, and a hold where asked
         t0 = time.perf_counter()
         step, pol, orch = self.step, self.policy, self.orch
         self._failure_handled = False

@@ -122,7 +122,6 @@ def run_worker(cfg: Any) -> int:
         failstop.mark_done()
         os._exit(0)
     log_every = int(run.get("log_every", 1) or 1)
-    delay = _test_step_delay()
     t_start = time.perf_counter()
     tokens = 0
     last = None
@@ -153,8 +152,6 @@ def run_worker(cfg: Any) -> int:
                                    **({"standbys_lost": mt.standbys_lost}
                                       if mt.standbys_lost else {})}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
-        if delay:
-            time.sleep(delay)          # TEST ONLY: a step slow enough to interrupt on purpose
         last = mt
         if ck is not None:
             ck.after_commit(steps)                 # periodic save; a stop request exits here
@@ -228,16 +225,6 @@ def _ckpt_schedule(schedule, run_dir: Path, start: int):
     from recover_hsdp.hsdp.checkpoint import remaining_schedule
 
     return remaining_schedule(schedule, run_dir, start)
-
-
-def _test_step_delay() -> float:
-    """TEST ONLY (with RECOVER_HSDP_ALLOW_TEST_FAULT=1): seconds to sleep after each commit, so a
-    test that interrupts a run at a given step (signals, SIGKILLs from outside) cannot be outrun
-    by a tiny model's 0.05 s steps on a fast machine."""
-    from recover_hsdp.faults.seam import ENV_ALLOW
-
-    v = os.environ.get("RECOVER_HSDP_TEST_STEP_DELAY_S")
-    return float(v) if v and os.environ.get(ENV_ALLOW) == "1" else 0.0
 
 
 def meta_policy(c: Mapping) -> str:

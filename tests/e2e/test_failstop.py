@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from recover_hsdp.faults.failstop import WATCH_POLL_S
 from recover_hsdp.record import read_run
+from tests._gate import TestGate
 from tests._procs import current_deadline, kill_tree, run
+from tests._wait import Deadline
 from tests.e2e._launch import REPO, mpirun_prefix, one_thread, run_with_store
 
 pytestmark = [pytest.mark.mpi]
@@ -120,57 +123,53 @@ def _pids(run_dir: Path) -> dict[int, int]:
     return out
 
 
+#: the SIGSTOP tests' detector: a rank is judged hung when its heartbeat is this old
+STOP_HANG_S, STOP_BEAT_S = 3.0, 0.5
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("S,seed", [(1, 1), (2, 2)])
 def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
-    """SIGSTOP a random rank at a random wall-clock moment, from outside: the launcher's
-    watchdog SIGKILLs it, every step commits, verify passes, its replica is reported lost."""
+    """SIGSTOP a random rank at a random step, from outside, while the test gate holds the job
+    there: the launcher's watchdog SIGKILLs it, every step commits, verify passes, its replica
+    is reported lost."""
     rng = random.Random(seed)
+    dl = Deadline(380)
     out = tmp_path / "run"
-    # enough steps that the stop lands mid-run on a quiet machine too (12 steps finished before
-    # the SIGSTOP once, with up to 2 s of random delay: ProcessLookupError on the victim's pid);
-    # the delay is now <= 0.5 s (~3 steps) and the fast detector finds the stop in <= ~2 s
-    W, steps = 3, 20
-    e = dict(os.environ, PYTHONPATH=str(REPO))
+    W, steps = 3, 8
+    at = rng.randrange(2, steps - 2)                # the step the rank is stopped before
+    victim = rng.randrange(S, W * S)  # never the whole job; any replica but 0 for the check
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W * S), timeout_s=300)
+    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
     e.pop("OMPI_COMM_WORLD_RANK", None)
     e.pop("RECOVER_HSDP_WORKER_FN", None)
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
                           f"parallel.replicas={W}", f"parallel.shard_size={S}",
-                          f"run.steps={steps}", f"run.output_dir={out}", "run.hang_timeout_s=1",
-                          "run.heartbeat_s=0.25",   # not the defaults' test: docs/faults.md table
-                          # snapshots every 10 keep the verify replay short
-                          *[a if not a.startswith("run.save_params_every=") else
-                            "run.save_params_every=10" for a in SMALL]], cwd=tmp_path, env=e,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    victim = rng.randrange(S, W * S)  # never the whole job; any replica but 0 for the check
-    t_stop = None
-    dl = current_deadline()                   # the test's one budget (420 s ceiling)
-    while not dl.expired() and p.poll() is None:
-        steps_dir = out / "steps"
-        n = max((len(f.read_text().splitlines()) for f in steps_dir.glob("rank*.jsonl")),
-                default=0) if steps_dir.is_dir() else 0
-        if n >= 3:
-            time.sleep(rng.uniform(0, 0.5))
-            pid = _pids(out).get(victim)
-            if pid:
-                os.kill(pid, signal.SIGSTOP)
-                t_stop = time.time()
-                break
-        time.sleep(0.2)
+                          f"run.steps={steps}", f"run.output_dir={out}",
+                          f"run.hang_timeout_s={STOP_HANG_S:g}", f"run.heartbeat_s={STOP_BEAT_S:g}",
+                          *SMALL], cwd=tmp_path, env=e, start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
+                       detail=lambda: p.stdout.read()[-4000:])
+        pid = _pids(out)[victim]
+        os.kill(pid, signal.SIGSTOP)                # held: the run cannot have ended
+        t_stop = time.time()
+        gate.release(at)
         stdout, _ = p.communicate(timeout=dl.left())
-    except BaseException:
-        kill_tree(p)
-        p.communicate()
-        raise
-    assert t_stop is not None, "never reached step 3"
+    finally:
+        if p.poll() is None:
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
+            p.communicate()
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
-    assert hung["time"] - t_stop < 1 + 0.25 + 0.5 + 2.0, hung  # timeout + beat + poll + slack
+    # one bound for the detector, from its config with 3x slack: timeout + a beat + a poll
+    bound = 3 * (STOP_HANG_S + STOP_BEAT_S + WATCH_POLL_S)
+    assert hung["time"] - t_stop < bound, (hung, t_stop, bound)
     rec = read_run(out)
     assert rec.committed == list(range(steps))
     assert victim // S not in rec.summary["replicas_alive"]
+    assert all(victim // S not in rec.steps[k].alive for k in range(at, steps))
     _verify(out)
 
 
