@@ -17,6 +17,7 @@ import pytest
 from recover_hsdp.faults.failstop import WATCH_POLL_S
 from recover_hsdp.record import read_run
 from tests._gate import TestGate
+from tests._procs import current_deadline, kill_tree, run
 from tests._wait import Deadline
 from tests.e2e._launch import REPO, mpirun_prefix, one_thread, run_with_store
 
@@ -27,7 +28,8 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.
 
 
 def _loop(tmp: Path, W: int, S: int, faults, steps: int = 5,
-          timeout: float = 300) -> subprocess.CompletedProcess:
+          timeout: float | None = None) -> subprocess.CompletedProcess:
+    timeout = current_deadline().left() if timeout is None else timeout   # the test's budget
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     spec = ",".join(f"{g}:{where}:{step}" for g, where, step in faults)
@@ -68,12 +70,14 @@ def _verify(run_dir: Path) -> None:
     assert res.exit_code == 0, res.message
 
 
-def _cli(*args, cwd: Path, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+def _cli(*args, cwd: Path, env=None, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """The CLI in its own session, within the test's one budget (past it: the tree killed)."""
+    timeout = current_deadline().left() if timeout is None else timeout
     e = dict(os.environ, PYTHONPATH=str(REPO))
     e.pop("OMPI_COMM_WORLD_RANK", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=e,
+               capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.timeout(420)
@@ -155,7 +159,7 @@ def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
         stdout, _ = p.communicate(timeout=dl.left())
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
             p.communicate()
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
@@ -182,7 +186,7 @@ def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
     sched.write_text("- {step: 2, replica: 0, local_rank: 1, location: forward, microbatch: 0}\n")
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=5",
              f"run.output_dir={out}", f"failures.schedule={sched}", "run.hang_timeout_s=1",
-             "run.heartbeat_s=0.25", *SMALL, cwd=tmp_path, timeout=240,
+             "run.heartbeat_s=0.25", *SMALL, cwd=tmp_path,
              env={"RECOVER_HSDP_TEST_SHARD_WEDGE_S": "60", "RECOVER_HSDP_ALLOW_TEST_FAULT": "1"})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     fired = json.loads((out / "faults" / "fired.rank1.json").read_text())

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import load_params, param_copies, read_run
+from tests._procs import current_deadline, kill_tree
 from tests.e2e._launch import run_training
 from tests.e2e.test_hsdp_kills import K, _cfg, _verify
 
@@ -33,7 +34,7 @@ W, G, STEPS = 3, 2, 6
 def _run(tmp_path, schedule, *, S=1, standby=1, steps=STEPS):
     cfg = _cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, steps=steps)
     cfg["parallel"]["standby"] = standby
-    out = run_training(cfg, timeout=400)
+    out = run_training(cfg, timeout=current_deadline().left())   # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     rec = read_run(run_dir)
@@ -172,7 +173,7 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
         stdout, _ = p.communicate(timeout=dl.left())
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
             p.communicate()
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())

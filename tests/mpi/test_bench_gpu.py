@@ -19,7 +19,7 @@ pytestmark = pytest.mark.mpi
 # ~60 s on an idle 2-core machine (8 short mpirun jobs + one verify); the ceiling is for a
 # loaded one (4-5x slower at load 12)
 @pytest.mark.timeout(600)
-def test_bench_gpu_cpu_shape_writes_every_section(tmp_path):
+def test_bench_gpu_cpu_shape_writes_every_section(tmp_path, deadline):
     out = tmp_path / "bench"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("OMPI_COMM_WORLD_RANK", None)
@@ -28,7 +28,8 @@ def test_bench_gpu_cpu_shape_writes_every_section(tmp_path):
     # box, section 7 included, whose start depends on the time left (tests/unit cover the skip)
     p = run_group([sys.executable, "-m", "recover_hsdp.cli", "bench", "gpu", "--cpu",
                    "--quick", "--steps", "4", "--out", str(out), "--budget-s", "100000"],
-                  env, timeout=560, hung="bench gpu --cpu --quick ran past 560 s", cwd=tmp_path)
+                  env, timeout=deadline.left(), hung="bench gpu --cpu --quick ran past its budget",
+                  cwd=tmp_path)
     print(f"bench gpu --cpu --quick: {time.perf_counter() - t0:.0f} s")
     assert p.returncode == 0, p.stdout[-4000:]
     files = sorted(f.name for f in out.glob("*.json"))

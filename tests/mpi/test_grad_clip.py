@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._procs import current_deadline, run
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.mpi
 # the debug model narrowed to d_model 32 (verify's replay and the one-process norm scale with it)
@@ -24,13 +26,14 @@ SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.save_params_
 
 
 def _cli(*args: str, cwd: Path, env_extra: dict | None = None,
-         timeout: float = 400) -> subprocess.CompletedProcess:
+         timeout: float) -> subprocess.CompletedProcess:
+    """The CLI in its own session (past ``timeout`` its whole tree, ranks included, is killed)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'mpi' / 'workers'}")
     env.pop("OMPI_COMM_WORLD_RANK", None)
     env.pop("RECOVER_HSDP_WORKER_FN", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
+               capture_output=True, text=True, timeout=timeout)
 
 
 def _steps(run_dir: Path, rank: int = 0) -> list[dict]:
@@ -48,7 +51,7 @@ def clipped_run(tmp_path_factory):
     out = tmp / "run"
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=3",
              "optim.grad_clip=0.05", "failures.schedule=kills.yaml", f"run.output_dir={out}",
-             *SMALL, cwd=tmp)
+             *SMALL, cwd=tmp, timeout=current_deadline().left())  # the first test's budget
     return p, out
 
 
@@ -63,10 +66,10 @@ def test_clipping_s2_with_a_kill_in_the_reduction_commits(clipped_run):
     assert [r["local"]["grad_norm"] for r in _steps(out, 1)] == norms
 
 
-def test_clipping_s2_verify_replays_it(clipped_run):
+def test_clipping_s2_verify_replays_it(clipped_run, deadline):
     p, out = clipped_run
     assert p.returncode == 0
-    v = _cli("verify", str(out), cwd=out.parent)
+    v = _cli("verify", str(out), cwd=out.parent, timeout=deadline.left())
     assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-4000:]
 
 
@@ -120,24 +123,24 @@ def test_clipping_s2_norm_is_the_one_process_norm(clipped_run, step):
     assert math.isclose(norm, rec["local"]["grad_norm"], rel_tol=1e-4), (norm, rec["local"])
 
 
-def test_nonfinite_gradient_skips_the_update_and_verify_replays_it(tmp_path):
+def test_nonfinite_gradient_skips_the_update_and_verify_replays_it(tmp_path, deadline):
     out = tmp_path / "run"
     env = {"RECOVER_HSDP_WORKER_FN": "nan_worker:run_worker", "RECOVER_HSDP_TEST_NAN_STEPS": "1"}
     p = _cli("train", "run.steps=3", "optim.grad_clip=1.0", f"run.output_dir={out}", *SMALL,
-             cwd=tmp_path, env_extra=env)
+             cwd=tmp_path, env_extra=env, timeout=deadline.left())
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for rank in (0, 1):
         recs = _steps(out, rank)
         assert [bool(r.get("extra", {}).get("skipped")) for r in recs] == [False, True, False]
         assert len(recs[1]["contributions"]["0"]) == 2      # its microbatches were consumed
-    v = _cli("verify", str(out), cwd=tmp_path)
+    v = _cli("verify", str(out), cwd=tmp_path, timeout=deadline.left())
     assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-4000:]
 
 
-def test_too_many_nonfinite_steps_stop_the_run_with_one_line(tmp_path):
+def test_too_many_nonfinite_steps_stop_the_run_with_one_line(tmp_path, deadline):
     out = tmp_path / "run"
     env = {"RECOVER_HSDP_WORKER_FN": "nan_worker:run_worker", "RECOVER_HSDP_TEST_NAN_STEPS": "0,1"}
     p = _cli("train", "run.steps=4", "optim.max_skipped_steps=1", f"run.output_dir={out}",
-             *SMALL, cwd=tmp_path, env_extra=env)
+             *SMALL, cwd=tmp_path, env_extra=env, timeout=deadline.left())
     assert p.returncode != 0
     assert "2 optimizer steps in a row (up to step 1) had a NaN/inf gradient" in p.stderr + p.stdout

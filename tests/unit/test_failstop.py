@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests import _procs
+
 from recover_hsdp.faults import failstop as fs
 from tests._wait import until
 
@@ -234,8 +236,8 @@ def test_sigusr1_raise_seam_becomes_a_fail_stop(tmp_path):
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
             "while True: time.sleep(0.01)\n")
     env = dict(__import__("os").environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = _procs.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                   timeout=60)
     assert p.returncode == -signal.SIGKILL, p.stderr
     rec = json.loads((tmp_path / "errors" / "rank2.json").read_text())
     assert rec["class"] == "InjectedFault" and rec["step"] == 4

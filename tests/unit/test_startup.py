@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import _procs
+
 from recover_hsdp.faults.startup import (ENV_STARTUP_FAULT, PHASES, StartupWatch,
                                          clear_startup_state, mark_phase, startup_bound_s)
 from recover_hsdp.faults.startup import _cpu_ticks
@@ -146,15 +148,15 @@ def test_seam_kills_the_chosen_rank_on_the_first_launch_only(tmp_path):
     code = "from recover_hsdp.faults.startup import mark_start; mark_start(); print('went on')"
     env = dict(os.environ, PYTHONPATH=str(ROOT), RECOVER_HSDP_RUN_DIR=str(tmp_path),
                OMPI_COMM_WORLD_RANK="1", **{ENV_STARTUP_FAULT: "1"})
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=60)
+    first = _procs.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60)
     assert first.returncode == -9 and "went on" not in first.stdout
     assert json.loads((tmp_path / "ranks" / "start.rank1.json").read_text())["rank"] == 1
-    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=60)
+    again = _procs.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60)
     assert again.returncode == 0 and "went on" in again.stdout
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**env, "OMPI_COMM_WORLD_RANK": "0",
-                                ENV_STARTUP_FAULT: "0:exit",
-                                "RECOVER_HSDP_RUN_DIR": str(tmp_path / "b")}, timeout=60)
+    other = _procs.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**env, "OMPI_COMM_WORLD_RANK": "0",
+                            ENV_STARTUP_FAULT: "0:exit",
+                            "RECOVER_HSDP_RUN_DIR": str(tmp_path / "b")}, timeout=60)
     assert other.returncode == 1

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests._procs import current_deadline, run
 
 from recover_hsdp.launch import STOP_GRACE_S
 from tests._wait import Deadline, wait_dead
@@ -87,10 +88,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _train(args: list[str], tmp_path: Path, timeout: float = 120, **extra: str):
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "train", *args],
-                          cwd=tmp_path, env=_env(**extra), capture_output=True, text=True,
-                          timeout=timeout)
+def _train(args: list[str], tmp_path: Path, **extra: str):
+    return run([sys.executable, "-m", "recover_hsdp.cli", "train", *args],
+               cwd=tmp_path, env=_env(**extra), capture_output=True, text=True,
+               timeout=min(120, current_deadline().left()))
 
 
 def test_single_run_ok_store_and_summary(tmp_path):

@@ -150,6 +150,8 @@ def test_rank_env_and_exports():
     assert launch.exported_vars(env) == ["RECOVER_HSDP_STORE", "OMP_NUM_THREADS",
                                          "RECOVER_HSDP_SHARD_TIMEOUT_S", "PYTHONUNBUFFERED",
                                          "PYTHONPATH"]
+    # the suite's test id reaches remote ranks too (tests/_procs.py finds leaked ones by it)
+    assert launch.exported_vars({"RECOVER_HSDP_TEST_ID": "t"}) == ["RECOVER_HSDP_TEST_ID"]
 
 
 def test_store_host_default(monkeypatch):
