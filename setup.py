@@ -9,9 +9,26 @@ import os
 import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithConf(build_py):
+    """A wheel carries the top-level conf/ (the Hydra configs) inside the package, as
+    recover_hsdp/conf: an installed package trains from any directory. An editable install
+    reads the checkout's conf/ (recover_hsdp/config/groups.py CONF_DIR)."""
+
+    def run(self):
+        super().run()
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+        dst = os.path.join(self.build_lib, "recover_hsdp", "conf")
+        if os.path.isdir(src) and not self.editable_mode:
+            import shutil
+
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
 
 ext_modules = []
-cmdclass = {}
+cmdclass = {"build_py": BuildPyWithConf}
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 if sources and os.environ.get("RECOVER_HSDP_SKIP_EXT") != "1":
     try:  # the torch of THIS environment (pip install --no-build-isolation): _C links against it

@@ -50,6 +50,56 @@ int64_t stageChunkBytes() {
   return bytes;
 }
 
+// The chunk size every member uses, agreed (MPI_MIN over MPI_COMM_WORLD) when the world group is
+// made (issue 24 item 8): a per-process RECOVER_HSDP_STAGE_CHUNK_MB can no longer make two ranks
+// post different MPI_Allreduce sequences. Every communicator is a subgroup of that world.
+std::atomic<int64_t> g_agreed_chunk_bytes{0};
+
+int64_t agreedChunkBytes() {
+  const int64_t v = g_agreed_chunk_bytes.load();
+  return v > 0 ? v : stageChunkBytes();
+}
+
+// Elements per MPI call of a data collective, the same on EVERY path (staged through host or
+// direct, CPU or CUDA tensor), so members that differ in device post the same sequence.
+int64_t chunkElems(int64_t esize) {
+  return std::max<int64_t>(1, std::min<int64_t>(agreedChunkBytes() / esize, kMaxCount));
+}
+
+// Drive MPI progress for a bounded ~100 ms after a revoke: the revoke's messages leave only
+// while this process progresses MPI (ob1/tcp has no progress thread), and a rank that throws
+// may not call MPI again before its fail-stop; its peers must learn of the revoke NOW.
+void pushRevoke() {
+  int flag = 0;
+  for (int i = 0; i < 100; ++i) {
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_SELF, &flag, MPI_STATUS_IGNORE);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// RAII: on any exit of a staged all-reduce that did not finish (a CUDA error, a failed MPI
+// call, the test hook), wait for the queued copies (errors swallowed) and revoke the
+// communicator, so the peers leave their MPI_Allreduce now and the next Detect repairs.
+struct StagedGuard {
+  MPI_Comm comm;
+  const c10::impl::DeviceGuardImplInterface* impl;  // null: a CPU tensor (test hook)
+  c10::Device dev;
+  bool finished = false;
+  ~StagedGuard() {
+    if (finished) {
+      return;
+    }
+    try {
+      if (impl != nullptr) {
+        impl->synchronizeStream(impl->getStream(dev));
+      }
+    } catch (...) {
+    }
+    MPIX_Comm_revoke(comm);
+    pushRevoke();
+  }
+};
+
 [[noreturn]] void dieNow() {
   ::kill(::getpid(), SIGKILL);
   for (;;) {
@@ -155,6 +205,7 @@ UlfmComm::~UlfmComm() {
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (!finalized && comm_ != MPI_COMM_NULL) {
+    auto g = lockGlobal();  // MPI below THREAD_MULTIPLE: one thread in MPI at a time
     MPI_Comm_free(&comm_);  // local in Open MPI, also on a revoked communicator
   }
 }
@@ -168,6 +219,11 @@ std::shared_ptr<UlfmComm> UlfmComm::world() {
   MPI_CHECK(MPI_Comm_size(dup, &n));
   std::vector<int64_t> ranks(n);
   std::iota(ranks.begin(), ranks.end(), 0);
+  if (g_agreed_chunk_bytes.load() == 0) {  // the chunking, agreed once by every member
+    int64_t chunk = stageChunkBytes();
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &chunk, 1, MPI_INT64_T, MPI_MIN, dup));
+    g_agreed_chunk_bytes.store(chunk);
+  }
   return std::shared_ptr<UlfmComm>(new UlfmComm(dup, std::move(ranks)));
 }
 
@@ -321,16 +377,36 @@ void UlfmComm::debugKillAt(const std::string& point, int64_t delay_us) {
     kill_point_ = KillPoint::DATA;
   } else if (point == "data_async") {
     kill_point_ = KillPoint::DATA_ASYNC;
+  } else if (point == "data_mid") {
+    kill_point_ = KillPoint::DATA_MID;
   } else {
     throw std::invalid_argument("debug kill point must be one of detect, record, data, "
-                                "data_async or empty; got '" + point + "'");
+                                "data_async, data_mid or empty; got '" + point + "'");
   }
   kill_delay_us_ = delay_us;
+}
+
+void UlfmComm::debugSplitData(int64_t parts) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (parts < 1) {
+    throw std::invalid_argument("debug split must be >= 1");
+  }
+  debug_split_ = parts;
 }
 
 void UlfmComm::debugFailNextData() {
   std::lock_guard<std::mutex> lk(mu_);
   fail_next_data_ = true;
+}
+
+void UlfmComm::debugStageCpu(bool on, int64_t throw_at_chunk) {
+  std::lock_guard<std::mutex> lk(mu_);
+  stage_cpu_ = on;
+  throw_at_chunk_ = throw_at_chunk;
+}
+
+int64_t UlfmComm::stageChunkBytesAgreed() {
+  return agreedChunkBytes();
 }
 
 void UlfmComm::maybeKill(KillPoint here) {
@@ -511,6 +587,8 @@ FailureRecord UlfmComm::dataDoneLocked(int rc, const char* call, FailureRecord r
 
 FailureRecord UlfmComm::dataFailedLocked(int rc, const char* call) {
   if (!isFailureClass(mpiErrorClass(rc))) {
+    MPIX_Comm_revoke(comm_);  // peers inside the collective must not wait for this rank
+    pushRevoke();
     throwMpiError(rc, call, __FILE__, __LINE__);
   }
   // Peers may still be inside the data collective waiting for this rank: revoke interrupts
@@ -547,12 +625,14 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
     // ran, so a failure is still seen here); the test hooks still fire at the data point.
     maybeKill(KillPoint::DATA);
     maybeKill(KillPoint::DATA_ASYNC);
+    maybeKill(KillPoint::DATA_MID);
     last_ = dataDoneLocked(MPI_SUCCESS, "MPI_Allreduce", rec);
     return last_;
   }
-  if (tensor.device().is_cuda() && !cudaAwareMpi()) {
+  if ((tensor.device().is_cuda() && !cudaAwareMpi()) || (stage_cpu_ && tensor.is_cpu())) {
     maybeKill(KillPoint::DATA);
     maybeKill(KillPoint::DATA_ASYNC);
+    maybeKill(KillPoint::DATA_MID);
     const int rc = stagedAllreduceLocked(tensor, typeop.type, typeop.op);
     last_ = dataDoneLocked(rc, "MPI_Allreduce", rec);
     return last_;
@@ -560,10 +640,22 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
   DataBuffer buf(tensor);
   maybeKill(KillPoint::DATA);
   maybeKill(KillPoint::DATA_ASYNC);
+  // test hooks: debugSplitData(k) on every member sends the transfer as k MPI_Allreduce calls
+  // (the same on every rank); data_mid dies after the first, before posting the second, so the
+  // death lands inside the transfer by construction: its peers are in the second call
+  const int64_t chunk = debug_split_ > 1 && buf.numel() >= debug_split_
+      ? (buf.numel() + debug_split_ - 1) / debug_split_
+      : chunkElems(buf.elementSize());  // the agreed chunking (the staged loop's chunks too)
+  if (kill_point_ == KillPoint::DATA_MID && chunk >= buf.numel()) {
+    maybeKill(KillPoint::DATA_MID);  // not split: nothing to die inside, dies before it
+  }
   char* ptr = static_cast<char*>(buf.data());
   int rc = MPI_SUCCESS;
-  for (int64_t off = 0; off < buf.numel() && rc == MPI_SUCCESS; off += kMaxCount) {
-    const int n = static_cast<int>(std::min<int64_t>(kMaxCount, buf.numel() - off));
+  for (int64_t off = 0; off < buf.numel() && rc == MPI_SUCCESS; off += chunk) {
+    if (off > 0) {
+      maybeKill(KillPoint::DATA_MID);
+    }
+    const int n = static_cast<int>(std::min<int64_t>(chunk, buf.numel() - off));
     rc = MPI_Allreduce(MPI_IN_PLACE, ptr + off * buf.elementSize(), n, typeop.type, typeop.op,
                        comm_);
   }
@@ -576,8 +668,10 @@ FailureRecord UlfmComm::allreduce(at::Tensor& tensor) {
 
 int UlfmComm::stagedAllreduceLocked(at::Tensor& tensor, MPI_Datatype type, MPI_Op op) {
   // Only device-generic c10 APIs (Event, DeviceGuardImplInterface): this compiles against a
-  // CPU-only torch and runs only for CUDA tensors.
+  // CPU-only torch and runs for CUDA tensors (and, through the test hook, for CPU tensors:
+  // synchronous copies, no events).
   const c10::Device dev = tensor.device();
+  const bool on_device = !tensor.is_cpu();
   at::Tensor src = tensor.is_contiguous() ? tensor : tensor.contiguous();
   at::Tensor flat = src.view({-1});
   const int64_t numel = flat.numel();
@@ -588,23 +682,24 @@ int UlfmComm::stagedAllreduceLocked(at::Tensor& tensor, MPI_Datatype type, MPI_O
   const int64_t nbytes = numel * esize;
   if (!stage_.defined() || stage_.numel() < nbytes) {
     stage_ = at::Tensor();  // free the old buffer first: peak = the new one only
-    stage_ = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    stage_ = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(on_device));
   }
   at::Tensor host = stage_.narrow(0, 0, nbytes).view(flat.scalar_type());
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(stageChunkBytes() / esize,
-                                                               kMaxCount));
+  const int64_t chunk = chunkElems(esize);  // agreed by every member (world creation)
   const int64_t n_chunks = (numel + chunk - 1) / chunk;
-  const auto* impl = c10::impl::getDeviceGuardImpl(dev.type());
-  const c10::Stream stream = impl->getStream(dev);
+  const auto* impl = on_device ? c10::impl::getDeviceGuardImpl(dev.type()) : nullptr;
+  StagedGuard guard{comm_, impl, dev};  // any early exit: sync what is queued, revoke
   // 1. every device-to-host copy, in order, each followed by its event
   std::vector<c10::Event> copied;
   copied.reserve(static_cast<size_t>(n_chunks));
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t off = c * chunk;
     const int64_t n = std::min<int64_t>(chunk, numel - off);
-    host.narrow(0, off, n).copy_(flat.narrow(0, off, n), /*non_blocking=*/true);
-    copied.emplace_back(dev.type());
-    copied.back().record(stream);
+    host.narrow(0, off, n).copy_(flat.narrow(0, off, n), /*non_blocking=*/on_device);
+    if (on_device) {
+      copied.emplace_back(dev.type());
+      copied.back().record(impl->getStream(dev));
+    }
   }
   // 2. reduce each chunk once its copy is done; its host-to-device copy is queued behind the
   //    device-to-host copies, so it overlaps the reduction of the next chunks
@@ -613,17 +708,26 @@ int UlfmComm::stagedAllreduceLocked(at::Tensor& tensor, MPI_Datatype type, MPI_O
   for (int64_t c = 0; c < n_chunks && rc == MPI_SUCCESS; ++c) {
     const int64_t off = c * chunk;
     const int64_t n = std::min<int64_t>(chunk, numel - off);
-    copied[static_cast<size_t>(c)].synchronize();
+    if (on_device) {
+      copied[static_cast<size_t>(c)].synchronize();
+    }
+    if (c == throw_at_chunk_) {  // test hook: an error inside the loop (as a CUDA error)
+      throw std::runtime_error("ulfm staged all-reduce: test error at chunk " +
+                               std::to_string(c));
+    }
     rc = MPI_Allreduce(MPI_IN_PLACE, base + off * esize, static_cast<int>(n), type, op, comm_);
     if (rc == MPI_SUCCESS) {
-      flat.narrow(0, off, n).copy_(host.narrow(0, off, n), /*non_blocking=*/true);
+      flat.narrow(0, off, n).copy_(host.narrow(0, off, n), /*non_blocking=*/on_device);
     }
   }
   // 3. the host buffer is reused by the next call and the caller may read the tensor on any
   //    stream: wait for the last host-to-device copy (one chunk's worth of tail latency)
-  c10::Event done(dev.type());
-  done.record(stream);
-  done.synchronize();
+  if (on_device) {
+    c10::Event done(dev.type());
+    done.record(impl->getStream(dev));
+    done.synchronize();
+  }
+  guard.finished = true;  // a failed MPI call revokes in dataFailedLocked (rc != SUCCESS)
   if (rc == MPI_SUCCESS && !src.is_same(tensor)) {
     tensor.copy_(src);
   }

@@ -82,19 +82,30 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   // `point` of its next fault-aware call: "detect" (before the agree), "record" (after a
   // repair, before the Record collective), "data" (after Detect passed, before the MPI data
   // collective), "data_async" (a timer thread fires delay_us after the data collective is
-  // posted: a death in the middle of the transfer). "" clears.
+  // posted: a death somewhere around the transfer, by timing), "data_mid" (allreduce split
+  // with debugSplitData(k > 1) on every member: this rank dies after the first MPI_Allreduce
+  // part, before it posts the second: a death inside the transfer by construction; its peers
+  // must see reduce_failed; not split: dies before the transfer). "" clears.
   void debugKillAt(const std::string& point, int64_t delay_us);
+  // CPU allreduce only: send the transfer as `parts` MPI_Allreduce calls (every member must
+  // set the same value; 1 = one call per INT_MAX elements, the default).
+  void debugSplitData(int64_t parts);
   // The next data phase runs normally, then this rank reports it as failed (reduce_failed) and
   // revokes the communicator at the start of its next call: the asymmetric outcome "this rank
   // saw a failure in the reduction, its peers did not" (an immediate revoke could interrupt
   // peers still finishing the same collective; the test also holds the next call back until
   // the peers have left this one).
   void debugFailNextData();
+  // Route CPU tensors through the staged loop (on) and throw inside it before reducing chunk
+  // `throw_at_chunk` (-1: never): a CUDA error's path, on CPU (issue 24 item 8).
+  void debugStageCpu(bool on, int64_t throw_at_chunk);
+  // The chunk size (bytes) every member's data collectives use, agreed at world creation.
+  static int64_t stageChunkBytesAgreed();
 
  private:
   UlfmComm(MPI_Comm comm, std::vector<int64_t> world_ranks);
 
-  enum class KillPoint { NONE, DETECT, RECORD, DATA, DATA_ASYNC };
+  enum class KillPoint { NONE, DETECT, RECORD, DATA, DATA_ASYNC, DATA_MID };
 
   // Detect-Repair-Record; returns ok=true iff the first agree passed. Caller holds mu_.
   FailureRecord protocolLocked();
@@ -126,8 +137,11 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
 
   KillPoint kill_point_ = KillPoint::NONE;
   int64_t kill_delay_us_ = 0;
+  int64_t debug_split_ = 1;
   bool fail_next_data_ = false;
   bool revoke_at_next_call_ = false;
+  bool stage_cpu_ = false;       // test hook: CPU tensors through the staged loop
+  int64_t throw_at_chunk_ = -1;  // test hook: throw before reducing this chunk
   at::Tensor stage_;  // pinned host staging buffer (bytes): allocated once, grown as needed
 };
 

@@ -112,7 +112,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_quiesce", &UlfmComm::setQuiesce, py::arg("flag"))
       .def("last_record", &UlfmComm::lastRecord)
       .def("_debug_kill_at", &UlfmComm::debugKillAt, py::arg("point"), py::arg("delay_us") = 0)
-      .def("_debug_fail_next_data", &UlfmComm::debugFailNextData);
+      .def("_debug_split_data", &UlfmComm::debugSplitData, py::arg("parts"))
+      .def("_debug_fail_next_data", &UlfmComm::debugFailNextData)
+      .def("_debug_stage_cpu", &UlfmComm::debugStageCpu, py::arg("on"),
+           py::arg("throw_at_chunk") = -1)
+      .def_static("_stage_chunk_bytes", &UlfmComm::stageChunkBytesAgreed);
 
   py::class_<ProcessGroupULFM, c10d::Backend, c10::intrusive_ptr<ProcessGroupULFM>>(
       m, "ProcessGroupULFM")

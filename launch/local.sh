@@ -39,8 +39,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-# --mca coll: the failure-tested collective components (no han), = collectives.launch.FT_COLL
-args=(--with-ft ulfm --mca coll self,basic,tuned,libnbc,ftagree --oversubscribe)
+# --mca coll: the failure-tested collective components (no han), = collectives.launch.FT_COLL;
+# --mca pml ob1: the only PML ULFM supports (never UCX), = collectives.launch.FT_PML
+args=(--with-ft ulfm --mca coll self,basic,tuned,libnbc,ftagree --mca pml ob1 --oversubscribe)
 [ "$(id -u)" = 0 ] && args+=(--allow-run-as-root)
 args+=(-n "$NP" -x OMP_NUM_THREADS -x PYTHONPATH -x PYTHONUNBUFFERED -x RECOVER_HSDP_STORE)
 

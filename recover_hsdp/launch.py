@@ -52,12 +52,13 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
-    """``--with-ft ulfm --mca coll <FT_COLL> --oversubscribe [--allow-run-as-root] -n NP
-    [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``)."""
-    from recover_hsdp.collectives.launch import ft_coll_args
+    """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe [--allow-run-as-root]
+    -n NP [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``; ob1:
+    the only PML ULFM supports, never UCX)."""
+    from recover_hsdp.collectives.launch import ft_coll_args, ft_pml_args
 
     euid = os.geteuid() if euid is None else euid
-    args = ["--with-ft", "ulfm", *ft_coll_args(), "--oversubscribe"]
+    args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe"]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]
@@ -105,7 +106,8 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
              "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1",
              "RECOVER_HSDP_STARTUP_FAULT", "RECOVER_HSDP_TEST_FAULT",
              "RECOVER_HSDP_ALLOW_TEST_FAULT", "RECOVER_HSDP_TEST_SHARD_WEDGE_S",
-             "RECOVER_HSDP_TEST_STEP_DELAY_S", "RECOVER_HSDP_TEST_GATE"]
+             "RECOVER_HSDP_TEST_GATE", "RECOVER_HSDP_CORE_DUMPS",
+             "RECOVER_HSDP_TEST_ID"]   # the test suite's tag: a leaked rank is found by it
     return [n for n in names if n in env]
 
 
@@ -222,11 +224,13 @@ def _pump(src: IO[bytes], sinks: Sequence[IO[bytes]]) -> None:
 def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.PathLike | None
             = None, time_limit_s: float | None = None, stdout: IO[bytes] | None = None,
             grace_s: float = STOP_GRACE_S,
-            watch: Callable[[], str | None] | None = None) -> JobOutcome:
+            watch: Callable[[], str | None] | None = None,
+            ended: Callable[[], str | None] | None = None) -> JobOutcome:
     """Run ``cmd`` (mpirun ...) to completion, streaming its merged stdout/stderr to ``stdout``
     (default: this process's stdout) and ``log_path``. Ctrl-C, SIGTERM to the launcher, or
     ``time_limit_s`` stop the job (:func:`stop_job`); the outcome says which. ``watch`` (polled
-    every 0.2 s) returning a line stops it too: a start-up failure (faults/startup.py)."""
+    every 0.2 s) returning a line stops it too: a start-up failure (faults/startup.py). So does
+    ``ended`` (faults/startup.EndWatch): every rank ended, mpirun did not (outcome "ended")."""
     out = stdout if stdout is not None else sys.stdout.buffer
     log = open(log_path, "ab") if log_path is not None else None
     t0 = time.monotonic()
@@ -253,6 +257,11 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
                 reason = watch()
                 if reason:
                     raise _Stop("startup")
+            if ended is not None:
+                reason = ended()
+                if reason:
+                    print(f"[recover-hsdp] {reason}", file=sys.stderr, flush=True)
+                    raise _Stop("ended")
             try:
                 proc.wait(0.2)
             except subprocess.TimeoutExpired:
@@ -264,8 +273,8 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-        if proc.poll() is None:
-            stop_job(proc, grace_s)
+        if proc.poll() is None:   # every rank ended: nothing left for mpirun to tear down
+            stop_job(proc, 0.5 if stopped == "ended" else grace_s)
         pump.join(5)
         if log is not None:
             log.close()

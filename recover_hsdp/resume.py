@@ -202,6 +202,13 @@ def _watchers(cfg, run_dir: Path):
     return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
 
 
+def end_watch(cfg, run_dir: Path):
+    """Stops an mpirun that outlives every one of its ranks (faults/startup.EndWatch)."""
+    from recover_hsdp.faults.startup import EndWatch
+
+    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s))
+
+
 def _rejoin_left(cfg, used: int) -> bool:
     """run.rejoin and fewer than run.max_rejoins rejoin relaunches used: the next segment's
     ranks checkpoint and leave for a relaunch when a replica is lost and no standby is left."""
@@ -298,9 +305,11 @@ def run_resilient(job) -> JobResult:
                 limit = (None if cfg.run.time_limit_s is None else
                          max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
                 watchdog, start_w = _watchers(cfg, run_dir)   # issue 12: hangs, start-up
+                end_w = end_watch(cfg, run_dir) if start_w else None
                 th = threading.Thread(target=lambda: box.update(out=run_job(
                     cmd, env, log_path=ldir / "output.log", time_limit_s=limit,
-                    watch=start_w.poll if start_w else None)))
+                    watch=start_w.poll if start_w else None,
+                    ended=end_w.poll if end_w else None)))
                 th.start()
                 try:
                     while th.is_alive():

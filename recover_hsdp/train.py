@@ -265,9 +265,13 @@ def launch_job(job: Job) -> JobResult:
                 start = StartupWatch(run_dir, int(job.cfg.run.np),
                                      job.cfg.run.get("startup_timeout_s")) if watchdog else None
                 try:
+                    from recover_hsdp.resume import end_watch
+
+                    end = end_watch(job.cfg, run_dir) if watchdog else None
                     outcome = run_job(cmd, env, log_path=ldir / "output.log",
                                       time_limit_s=job.cfg.run.time_limit_s,
-                                      watch=start.poll if start else None)
+                                      watch=start.poll if start else None,
+                                      ended=end.poll if end else None)
                 finally:
                     if watchdog is not None:
                         watchdog.stop()

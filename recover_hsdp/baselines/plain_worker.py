@@ -225,14 +225,15 @@ def run_plain_worker(cfg: Any) -> int:
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
     from recover_hsdp.hsdp.trainer import rank_device, step_resources
 
-    device = rank_device(run.get("gpus_per_node"), S) or fh.local_device()
+    device = rank_device(run.get("gpus_per_node"), S, run.get("device") or "auto") \
+        or fh.local_device()
     mp = resolve_mixed_precision(str(par.get("mixed_precision") or "auto"), device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     shard_pg = fh.new_shard_groups(topo, backend=backend, timeout_s=timeout_s)
     replicate_pg = None
     for j in range(S):
-        g = dist.new_group(topo.replicate_ranks(j), backend=backend,
-                           timeout=timedelta(seconds=timeout_s), group_desc=f"replicate{j}")
+        g = dist.new_group(topo.replicate_ranks(j), backend=backend, group_desc=f"replicate{j}",
+                           timeout=timedelta(seconds=fh.shard_group_timeout_s(backend, timeout_s)))
         if j == shard_index:
             replicate_pg = g
     # DCP's own coordination group (async_save runs its collectives on a background thread)

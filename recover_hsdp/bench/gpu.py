@@ -125,7 +125,9 @@ def model_flops_per_token(model: str, seq_len: int, vocab: int = 4096) -> tuple[
     """(training FLOP per token: 6 N + 12 L d T, parameter count N) from conf/model/<model>.yaml."""
     import yaml
 
-    c = yaml.safe_load((REPO / "conf" / "model" / f"{model}.yaml").read_text())
+    from recover_hsdp.config.groups import CONF_DIR
+
+    c = yaml.safe_load((CONF_DIR / "model" / f"{model}.yaml").read_text())
     d, L, ffn = int(c["d_model"]), int(c["n_layers"]), int(c["ffn_dim"])
     hd = d // int(c["n_heads"])
     kv = int(c["n_kv_heads"]) * hd
@@ -171,9 +173,11 @@ class Bench:
         self.steps = args.steps or (6 if not self.cpu else 5)
         # CPU: the tiny model at a short sequence; GPU: the issue's llama_1b shape
         if self.cpu:
+            # run.device=cpu: --cpu means CPU everywhere (gloo shard groups, verify on cpu) even
+            # on a GPU machine (issue 24 item 3)
             self.big = ["model=llama_debug", "parallel.seq_len=32", "parallel.micro_batch_size=2",
-                        "parallel.grad_accum=2", "optim.warmup_steps=2"]
-            self.small = ["parallel.seq_len=32", "parallel.micro_batch_size=2"]
+                        "parallel.grad_accum=2", "optim.warmup_steps=2", "run.device=cpu"]
+            self.small = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.device=cpu"]
         else:
             self.big = ["model=llama_1b", "parallel.seq_len=2048", "parallel.micro_batch_size=4",
                         "parallel.grad_accum=2", "optim.warmup_steps=2"]

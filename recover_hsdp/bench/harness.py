@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-REPO = Path(__file__).resolve().parents[2]
+#: the checkout this package runs from; an installed package (no checkout above it) works in
+#: the current directory instead, never in site-packages
+REPO = (Path(__file__).resolve().parents[2]
+        if (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file() else Path.cwd())
 RESULTS_DIR = Path("bench") / "results"    # relative to the working directory, as documented
 
 

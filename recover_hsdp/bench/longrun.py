@@ -34,7 +34,10 @@ import yaml
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.paper_analysis import analyze_trajectory
 
-REPO = Path(__file__).resolve().parents[2]
+#: the checkout this package runs from; an installed package (no checkout above it) works in
+#: the current directory instead, never in site-packages
+REPO = (Path(__file__).resolve().parents[2]
+        if (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file() else Path.cwd())
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.seq_len=32",
          "parallel.micro_batch_size=2", "optim.warmup_steps=1"]
 

@@ -255,8 +255,16 @@ class UlfmGroup:
     def _debug_kill_at(self, point: str, delay_us: int = 0) -> None:
         self._comm._debug_kill_at(point, int(delay_us))
 
+    def _debug_split_data(self, parts: int) -> None:
+        """Test hook: CPU all-reduces go as ``parts`` MPI calls (set it on every member)."""
+        self._comm._debug_split_data(int(parts))
+
     def _debug_fail_next_data(self) -> None:
         self._comm._debug_fail_next_data()
+
+    def _debug_stage_cpu(self, on: bool = True, throw_at_chunk: int = -1) -> None:
+        """TEST ONLY: CPU tensors through the staged (CUDA) loop; raise before chunk k."""
+        self._comm._debug_stage_cpu(bool(on), int(throw_at_chunk))
 
     def __repr__(self) -> str:
         return (f"UlfmGroup(name={self._name!r}, rank={self.rank}, size={self.size}, "

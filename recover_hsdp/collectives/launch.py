@@ -21,9 +21,22 @@ from typing import Mapping, Sequence
 FT_COLL = "self,basic,tuned,libnbc,ftagree"
 
 
+#: The point-to-point layer every ULFM launch selects (``--mca pml FT_PML``): ob1, the only PML
+#: ULFM supports. The Open MPI wheel also ships UCX (pml ucx), over which ULFM is NOT supported;
+#: ``--with-ft ulfm`` loads the ft-mpi parameter set, which selects ob1 today, but an
+#: ``OMPI_MCA_pml`` in the environment (or a site's default) would win over it: the command line
+#: wins over both (tests/unit/test_issue24_pml.py checks what a launch really used).
+FT_PML = "ob1"
+
+
 def ft_coll_args() -> list[str]:
     """``--mca coll <FT_COLL>``."""
     return ["--mca", "coll", FT_COLL]
+
+
+def ft_pml_args() -> list[str]:
+    """``--mca pml <FT_PML>``."""
+    return ["--mca", "pml", FT_PML]
 
 
 def mpirun_path() -> str:
@@ -35,7 +48,7 @@ def mpirun_path() -> str:
 
 
 def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
-    """`mpirun [--with-ft ulfm --mca coll FT_COLL] --oversubscribe --bind-to none
+    """`mpirun [--with-ft ulfm --mca coll FT_COLL --mca pml ob1] --oversubscribe --bind-to none
     [--allow-run-as-root] -n N ...`.
 
     --oversubscribe and --bind-to none: more ranks than cores is the normal case here, and
@@ -46,7 +59,7 @@ def mpirun_command(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = 
     """
     cmd = [mpirun_path()]
     if ft:
-        cmd += ["--with-ft", "ulfm", *ft_coll_args()]
+        cmd += ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args()]
     cmd += ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")

@@ -13,8 +13,10 @@ from recover_hsdp.optim import OptimConfig
 # and recover_hsdp.model import torch in their package __init__, and a worker rank (load_config)
 # or an error message should not pay for that.
 
-#: The Hydra config directory (the repository's conf/).
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+#: The Hydra config directory: the repository's top-level conf/ in a checkout (editable install),
+#: the copy a wheel carries inside the package (setup.py's build_py puts it at recover_hsdp/conf)
+_PKG = Path(__file__).resolve().parents[1]
+CONF_DIR = _PKG / "conf" if (_PKG / "conf" / "config.yaml").is_file() else _PKG.parent / "conf"
 CONFIG_NAME = "config"
 SCHEMA_NAME = "train_schema"
 POLICIES = ("static", "adaptive")
@@ -133,6 +135,8 @@ class RunConfig:
     progress_timeout_s: Optional[float] = None  # also kill on no progress outside long phases
     gpus_per_node: Optional[int] = None    # GPUs per node; ranks use cuda:(local rank % it),
                                            # so several replicas may share one; null: all visible
+    device: str = "auto"                   # auto: cuda when available, else cpu; cpu: CPU even
+                                           # on a GPU machine (gloo shard groups)
     # checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md)
     ckpt_interval: int = 0                 # DCP checkpoint every N committed steps; 0: none
     ckpt_async: bool = True                # dcp.async_save (the step does not wait for the disk)
@@ -171,6 +175,8 @@ class RunConfig:
                                                or self.gpus_per_node < 1):
             raise TrainConfigError(f"run.gpus_per_node({self.gpus_per_node!r}) must be an "
                                    f"integer >= 1 or null")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise TrainConfigError(f"run.device({self.device!r}) must be auto, cpu or cuda")
         if self.np is not None and (not _is_int(self.np) or self.np < 1):
             raise TrainConfigError(f"run.np({self.np!r}) must be an integer >= 1 or null")
         if self.time_limit_s is not None and (not _is_real(self.time_limit_s)

@@ -233,6 +233,7 @@ class Heartbeat:
         self.phase: Optional[str] = None
         self.phase_until: Optional[float] = None
         self.done = False          # a clean exit (mark_done): the reaper must not take it for a death
+        self._lock = threading.Lock()   # one writer of the file at a time (thread, mark_done)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recover_hsdp-heartbeat",
                                         daemon=True)
@@ -242,8 +243,12 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
+        """Stop beating; ``join_s`` > 0: also wait (at most that long) for the thread to end."""
         self._stop.set()
+        t = self._thread
+        if join_s > 0 and t.is_alive() and t is not threading.current_thread():
+            t.join(join_s)
 
     def tick(self) -> None:
         """The main thread made progress (a microbatch, a collective returned, a commit)."""
@@ -262,15 +267,16 @@ class Heartbeat:
             self.beat()
 
     def beat(self) -> None:
-        rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-               "time": time.time(), "progress": self.progress, "phase": self.phase,
-               "phase_until": self.phase_until, "period_s": self.period_s, "done": self.done}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(rec))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
+        with self._lock:    # the record is read and written whole: a later beat has a later state
+            rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                   "time": time.time(), "progress": self.progress, "phase": self.phase,
+                   "phase_until": self.phase_until, "period_s": self.period_s, "done": self.done}
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                tmp.write_text(json.dumps(rec))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -296,11 +302,13 @@ def start_heartbeat(run_dir: os.PathLike | str | None, rank: int,
 
 
 def mark_done() -> None:
-    """A clean exit (before each os._exit that is no failure): the reaper spares the mates."""
+    """A clean exit (before each os._exit that is no failure): the reaper spares the mates. The
+    thread is joined first (bounded: a period + 5 s): the file's LAST write is this, done=true."""
     hb = _hb["hb"]
     if hb is not None and not hb.done:
-        hb.done = True
-        hb.stop()
+        hb.stop(join_s=hb.period_s + 5.0)
+        with hb._lock:
+            hb.done = True
         hb.beat()
 
 

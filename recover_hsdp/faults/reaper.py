@@ -56,6 +56,8 @@ class MateReaper:
     def poll(self, hbs: dict[int, dict], now: float) -> list[int]:
         for g, hb in hbs.items():
             pid = int(hb["pid"])
+            if hb.get("done") and self.dead.get(g, (None,))[0] == pid:
+                self.dead.pop(g)        # its last beat says it left cleanly: no death
             if alive(pid):
                 self.seen[g] = pid
                 if self.dead.get(g, (pid,))[0] != pid:      # a new process holds the rank

@@ -201,3 +201,53 @@ class StartupWatch:
                     f"(run.startup_timeout_s; {started}/{self.world_size} ranks started"
                     + (f": {where}" if where else "") + ")")
         return None
+
+
+#: how long mpirun may outlive the last of its ranks before the launcher stops it (a stopped or
+#: hung prterun / prted daemon: the ranks committed and exited, mpirun never returns)
+END_GRACE_S = 10.0
+
+
+class EndWatch:
+    """The other end of a job: every rank has ENDED (a clean exit marked in its heartbeat, or a
+    local rank that is gone), yet mpirun still runs. After ``grace_s`` of that, :meth:`poll`
+    returns the one line to stop mpirun with; the run is then judged from its record as usual.
+
+    A rank on another host counts as ended when its heartbeat says done, or is older than
+    ``stale_s`` (its node or daemon is gone; the hang watchdog judges live ones)."""
+
+    def __init__(self, run_dir: os.PathLike | str, world_size: int,
+                 stale_s: float, grace_s: float = END_GRACE_S):
+        self.run_dir = Path(run_dir)
+        self.world_size = int(world_size)
+        self.stale_s = float(stale_s)
+        self.grace_s = float(grace_s)
+        self._since: Optional[float] = None
+        self._host = socket.gethostname()
+
+    def _ended(self, hb: dict, now: float) -> bool:
+        if hb.get("done"):
+            return True
+        if hb.get("host") == self._host:
+            return not _alive(int(hb["pid"]))
+        return now - float(hb.get("time", now)) > self.stale_s
+
+    def poll(self, now: Optional[float] = None) -> Optional[str]:
+        now = time.time() if now is None else now
+        d = self.run_dir / RANKS_DIR
+        hbs = []
+        for g in range(self.world_size):
+            try:
+                hbs.append(json.loads((d / f"rank{g}.json").read_text()))
+            except (OSError, ValueError):
+                self._since = None       # not every rank joined (or one is being rewritten)
+                return None
+        if not all(self._ended(hb, now) for hb in hbs):
+            self._since = None
+            return None
+        if self._since is None:
+            self._since = now
+        if now - self._since < self.grace_s:
+            return None
+        return (f"all {self.world_size} ranks have ended, but mpirun is still running "
+                f"{now - self._since:.0f} s later (a stopped or hung daemon?): stopping it")

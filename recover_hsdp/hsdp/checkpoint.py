@@ -152,8 +152,11 @@ class ResilientCheckpointer:
     def __init__(self, mgr, run_dir: str | os.PathLike, *, use_async: bool = True,
                  segment: int = 0, w0: Optional[int] = None,
                  slice_of: Optional[Mapping[int, int]] = None, slices: Optional[Mapping] = None,
-                 identity: Optional[Mapping] = None, timeout_s: float = 300.0,
+                 identity: Optional[Mapping] = None, timeout_s: Optional[float] = None,
                  log: Optional[Callable[[str], None]] = None):
+        from recover_hsdp.hsdp.topology import CKPT_SAVE_BOUND_S
+
+        timeout_s = self.bound_s = CKPT_SAVE_BOUND_S if timeout_s is None else float(timeout_s)
         self.mgr = mgr
         self.run_dir = Path(run_dir)
         self.use_async = use_async
@@ -203,6 +206,14 @@ class ResilientCheckpointer:
         Returns the seconds the training loop was held."""
         if not self.is_saver():
             return 0.0
+        from recover_hsdp.faults import failstop
+
+        # an announced long phase (the reaper and the progress watchdog leave it alone; the NCCL
+        # shard groups' timeout is derived from its bound: topology.shard_group_timeout_s)
+        with failstop.long_phase("checkpoint save", self.bound_s):
+            return self._save(step, sync)
+
+    def _save(self, step: int, sync: Optional[bool]) -> float:
         import torch.distributed.checkpoint as dcp
 
         t0 = time.perf_counter()

@@ -37,7 +37,8 @@ from recover_hsdp.hsdp.topology import (DEFAULT_SHARD_TIMEOUT_S, DEFAULT_STORE_T
                                         ENV_SHARD_TIMEOUT, ENV_STORE, _env_int, _parse_host_port,
                                         check_identical_init, HybridTopology,
                                         init_distributed_from_env, local_device, new_shard_groups,
-                                        serve_store, shard_group_failure_kind, shard_timeout_s)
+                                        serve_store, shard_group_failure_kind, shard_timeout_s,
+                                        shard_group_timeout_s)
 from recover_hsdp.hsdp.wrapping import (_FLAT_PARAM_ATTRS, _STATE_ATTRS, ENV_ALLOW_UNVERIFIED,
                                         VERIFIED_TORCH, _CompletedWork, assert_divide_stripped,
                                         bf16_mixed_precision, check_torch_version,

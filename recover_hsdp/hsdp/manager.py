@@ -117,6 +117,9 @@ class HSDPULFMTrainingManager:
                  grad_clip: Optional[float] = None,
                  max_skipped_steps: int = 3, standby: int = 0):
         fh.check_torch_version()
+        from recover_hsdp.hsdp.topology import limit_core_dumps
+
+        limit_core_dumps()      # also when the caller initialised torch.distributed itself
         if not dist.is_initialized():
             fh.init_distributed_from_env(backend="gloo")
         from recover_hsdp.collectives import UlfmGroup
@@ -129,7 +132,8 @@ class HSDPULFMTrainingManager:
         self.replica = self.topo.replica
         self.shard_index = self.topo.shard_index
         self.device = device or fh.local_device()
-        self.shard_pg = fh.new_shard_groups(self.topo, timeout_s=shard_timeout_s)
+        self.shard_pg = fh.new_shard_groups(self.topo, timeout_s=shard_timeout_s,
+                                            device=self.device)
         startup.mark_phase("groups")   # start-up progress (faults/startup.py)
         self.world = UlfmGroup.world()
         self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
@@ -270,7 +274,9 @@ class HSDPULFMTrainingManager:
 
     def _shard_barrier(self) -> None:
         if self.S > 1:
-            dist.barrier(group=self.shard_pg)
+            from recover_hsdp.hsdp.topology import shard_barrier
+
+            shard_barrier(self.shard_pg, self.device)   # device_ids on NCCL
 
     def _replica_lost(self, exc: BaseException) -> None:
         replica_lost_exit(f"rank {self.rank} (replica {self.replica}): shard group failed: "

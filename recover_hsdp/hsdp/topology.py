@@ -24,6 +24,16 @@ ENV_STORE = "RECOVER_HSDP_STORE"
 ENV_SHARD_TIMEOUT = "RECOVER_HSDP_SHARD_TIMEOUT_S"
 DEFAULT_SHARD_TIMEOUT_S = 60.0
 DEFAULT_STORE_TIMEOUT_S = 120.0
+#: The longest phase an announced long phase (failstop.long_phase) may keep a rank from its
+#: shard-group mates: a synchronous DCP save by the saving replica (optim_state_dict over the
+#: shard group; run.ckpt_async=false, the save before a relaunch, the SIGUSR1 save), bounded by
+#: its own checkpoint group's timeout (hsdp/checkpoint.py uses this constant).
+CKPT_SAVE_BOUND_S = 300.0
+#: slack over that phase before NCCL's watchdog may judge a healthy mate hung
+PHASE_MARGIN_S = 30.0
+#: "1": keep core dumps in the ranks (off by default: a GPU core dump delays the death ULFM must
+#: see by minutes and can fill the disk)
+ENV_CORE_DUMPS = "RECOVER_HSDP_CORE_DUMPS"
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,18 +144,74 @@ def shard_timeout_s() -> float:
     return float(os.environ.get(ENV_SHARD_TIMEOUT, DEFAULT_SHARD_TIMEOUT_S))
 
 
+def shard_group_timeout_s(backend: str, shard_timeout_s: float,
+                          longest_phase_s: float = CKPT_SAVE_BOUND_S) -> float:
+    """The timeout of a shard (or replicate) group on ``backend``. gloo: ``shard_timeout_s`` (it
+    raises, and the chain of bounded waits of docs/faults.md is built on it). nccl: at least the
+    longest announced phase + PHASE_MARGIN_S, since NCCL's watchdog tears a rank down (SIGABRT)
+    at this bound: a mate of a rank in a synchronous save must not be killed for waiting. A dead
+    NCCL mate is not waited for that long: the launcher's reaper SIGKILLs the still mates of a
+    dead rank after run.hang_timeout_s (faults/reaper.py)."""
+    t = float(shard_timeout_s)
+    return max(t, float(longest_phase_s) + PHASE_MARGIN_S) if backend == "nccl" else t
+
+
+def limit_core_dumps() -> bool:
+    """RLIMIT_CORE soft limit 0 in this rank unless RECOVER_HSDP_CORE_DUMPS=1 (then left as is).
+    True when core dumps are now off. Never raises."""
+    if os.environ.get(ENV_CORE_DUMPS) == "1":
+        return False
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (ImportError, ValueError, OSError):
+        return False
+    return True
+
+
+def device_uuid(device: torch.device | str) -> str | None:
+    """The UUID of a CUDA device (unique across machines), None for any other device."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(dev).uuid)
+
+
+def check_distinct_devices(topology: HybridTopology, uuids: list) -> None:
+    """ValueError (one line) when two ranks of one replica hold the same GPU (``uuids[g]``: the
+    device UUID of global rank g, None off CUDA): NCCL refuses two ranks of one communicator on
+    one device."""
+    for replica in range(topology.replicas):
+        seen: dict = {}
+        for g in topology.replica_ranks(replica):
+            u = uuids[g]
+            if u is not None and u in seen:
+                raise ValueError(
+                    f"ranks {seen[u]} and {g} of replica {replica} are on the same GPU ({u}): "
+                    f"the parallel.shard_size({topology.shard_size}) ranks of a replica need "
+                    f"distinct GPUs (NCCL refuses two ranks of one communicator on one device); "
+                    f"set run.gpus_per_node / CUDA_VISIBLE_DEVICES so that they do")
+            if u is not None:
+                seen[u] = g
+
+
 def new_shard_groups(
     topology: HybridTopology,
     *,
     backend: str | None = None,
     timeout_s: float | None = None,
+    device: torch.device | str | None = None,
 ) -> dist.ProcessGroup:
     """Create one shard group per replica; return this rank's.
 
     Collective over the WHOLE default group: every rank creates every replica's group, in replica
     order (torch.distributed.new_group's contract), so call it once, at the same point, everywhere.
-    ``backend`` defaults to nccl when CUDA is available, else gloo. ``timeout_s`` bounds how long a
-    collective waits for a hung peer (gloo raises; NCCL's watchdog aborts the process).
+    ``backend`` defaults to the one of the device this rank trains on (:func:`shard_backend`:
+    nccl for a CUDA device, gloo for cpu, whatever the machine has; ``device`` None:
+    :func:`local_device`). ``timeout_s`` bounds how long a
+    collective waits for a hung peer (gloo raises; NCCL's watchdog aborts the process; on nccl
+    raised to the longest announced phase: :func:`shard_group_timeout_s`).
     """
     if not dist.is_initialized():
         raise RuntimeError("new_shard_groups: torch.distributed is not initialised")
@@ -156,8 +222,17 @@ def new_shard_groups(
         )
     if dist.get_rank() != topology.rank:
         raise ValueError(f"topology.rank {topology.rank} != torch rank {dist.get_rank()}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
+    backend = backend or shard_backend(device if device is not None else local_device())
+    timeout = timedelta(seconds=shard_group_timeout_s(
+        backend, shard_timeout_s() if timeout_s is None else timeout_s))
+    if backend == "nccl" and topology.shard_size > 1:
+        # the S ranks of a replica on S distinct GPUs, judged on the devices they HOLD (UUIDs
+        # over the default group), not on device_count(): with per-rank CUDA_VISIBLE_DEVICES
+        # binding every rank sees one GPU, cuda:0, and yet they are distinct
+        uuids: list = [None] * topology.world_size
+        dist.all_gather_object(uuids, device_uuid(device if device is not None
+                                                  else local_device()))
+        check_distinct_devices(topology, uuids)
     mine = None
     for replica in range(topology.replicas):
         group = dist.new_group(
@@ -170,17 +245,54 @@ def new_shard_groups(
     return mine
 
 
-def local_device() -> torch.device:
-    """cuda:<local rank> (and make it current) when CUDA is available, else cpu.
+def local_rank() -> int:
+    """This rank's index on its node: OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else LOCAL_RANK, else 0."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"):
+        if os.environ.get(name) is not None:
+            return int(os.environ[name])
+    return 0
 
-    Local rank: OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else LOCAL_RANK, else 0. Call before
+
+def cuda_index(local: int, visible: int, gpus_per_node: int | None = None) -> int:
+    """THE rank -> GPU mapping (every caller uses it): ``local % (gpus_per_node or visible)``.
+
+    ``visible``: torch.cuda.device_count() (what CUDA_VISIBLE_DEVICES lets this process see).
+    Several ranks may share a GPU; ``gpus_per_node`` outside 1..visible is a ValueError."""
+    g = int(gpus_per_node) if gpus_per_node else int(visible)
+    if not 1 <= g <= visible:
+        raise ValueError(f"run.gpus_per_node({gpus_per_node}) must be in 1..{visible} "
+                         f"(visible GPUs)")
+    return int(local) % g
+
+
+def local_device(gpus_per_node: int | None = None) -> torch.device:
+    """cuda:(local rank % visible GPUs) (and make it current) when CUDA is available, else cpu.
+
+    The mapping is :func:`cuda_index` (``gpus_per_node`` narrows the visible GPUs). Call before
     :func:`new_shard_groups` with nccl: NCCL binds a communicator to the current device.
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
+    dev = torch.device("cuda", cuda_index(local_rank(), torch.cuda.device_count(), gpus_per_node))
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def shard_backend(device: torch.device | str) -> str:
+    """The shard groups' backend for a rank on ``device``: nccl for cuda, gloo otherwise (a CPU
+    run on a GPU machine stays on gloo: ``--cpu`` means CPU everywhere)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def shard_barrier(group: dist.ProcessGroup, device: torch.device | str | None) -> None:
+    """``dist.barrier`` over a shard group; on a CUDA device with ``device_ids`` (NCCL would
+    otherwise guess the device: a warning, or a hang when ranks share a GPU)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        dist.barrier(group=group, device_ids=[dev.index if dev.index is not None
+                                              else torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
 
 
 def _parse_host_port(address: str) -> tuple[str, int]:
@@ -214,6 +326,7 @@ def init_distributed_from_env(
     """
     rank = _env_int("OMPI_COMM_WORLD_RANK", "RANK")
     world_size = _env_int("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
+    limit_core_dumps()          # every rank: no core dump unless RECOVER_HSDP_CORE_DUMPS=1
     store_timeout = timedelta(seconds=store_timeout_s)
     if os.environ.get(ENV_STORE):
         host, port = _parse_host_port(os.environ[ENV_STORE])

@@ -65,7 +65,7 @@ def run_worker(cfg: Any) -> int:
     def loss_fn(module, x, y):
         return next_token_loss(module(x), y, tokens_per_microbatch=tpm)
 
-    device = rank_device(run.get("gpus_per_node"), S)
+    device = rank_device(run.get("gpus_per_node"), S, run.get("device") or "auto")
     mgr = HSDPULFMTrainingManager(
         model, optimizer_factory=lambda m: build_optimizer(m.named_parameters(), optim_cfg),
         microbatch_fn=microbatch_fn, loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
@@ -122,7 +122,6 @@ def run_worker(cfg: Any) -> int:
         failstop.mark_done()
         os._exit(0)
     log_every = int(run.get("log_every", 1) or 1)
-    delay = _test_step_delay()
     t_start = time.perf_counter()
     tokens = 0
     last = None
@@ -153,8 +152,6 @@ def run_worker(cfg: Any) -> int:
                                    **({"standbys_lost": mt.standbys_lost}
                                       if mt.standbys_lost else {})}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
-        if delay:
-            time.sleep(delay)          # TEST ONLY: a step slow enough to interrupt on purpose
         last = mt
         if ck is not None:
             ck.after_commit(steps)                 # periodic save; a stop request exits here
@@ -230,16 +227,6 @@ def _ckpt_schedule(schedule, run_dir: Path, start: int):
     return remaining_schedule(schedule, run_dir, start)
 
 
-def _test_step_delay() -> float:
-    """TEST ONLY (with RECOVER_HSDP_ALLOW_TEST_FAULT=1): seconds to sleep after each commit, so a
-    test that interrupts a run at a given step (signals, SIGKILLs from outside) cannot be outrun
-    by a tiny model's 0.05 s steps on a fast machine."""
-    from recover_hsdp.faults.seam import ENV_ALLOW
-
-    v = os.environ.get("RECOVER_HSDP_TEST_STEP_DELAY_S")
-    return float(v) if v and os.environ.get(ENV_ALLOW) == "1" else 0.0
-
-
 def meta_policy(c: Mapping) -> str:
     return str(c.get("policy", {}).get("name", "static"))
 
@@ -255,31 +242,28 @@ def step_resources() -> dict:
     return out
 
 
-def rank_device(gpus_per_node: Any, shard_size: int) -> torch.device | None:
-    """The device of this rank: cuda:(local rank % gpus_per_node) when CUDA is available.
+def rank_device(gpus_per_node: Any, shard_size: int = 1,
+                device: Any = "auto") -> torch.device | None:
+    """The device of this rank: ``run.device`` cpu -> cpu (even on a GPU machine: shard groups
+    on gloo, verify on cpu); otherwise cuda:(local rank % gpus_per_node) when CUDA is available
+    (topology.cuda_index, the one mapping; gpus_per_node null: every visible GPU).
 
-    gpus_per_node: GPUs this node lends to the job (null: every visible one). Several ranks may
-    share one GPU (a one-GPU machine runs several replicas), but the S ranks of one replica must
-    sit on S distinct GPUs: NCCL refuses two ranks of one communicator on one device.
-    None on CPU (the manager then picks cpu).
+    Several ranks may share one GPU; the S ranks of one replica must sit on S distinct GPUs
+    (NCCL refuses two ranks of one communicator on one device): that is checked on the devices
+    the ranks hold when the shard groups are made (topology.check_distinct_devices), not here
+    on device_count() (a rank bound by CUDA_VISIBLE_DEVICES sees one GPU). ``shard_size`` is
+    kept for callers. None on a machine without CUDA (the manager then picks cpu).
     """
+    from recover_hsdp.hsdp.topology import local_device
+
+    kind = str(device or "auto")
+    if kind == "cpu":
+        return torch.device("cpu")
     if not torch.cuda.is_available():
+        if kind == "cuda":
+            raise ValueError("run.device=cuda but CUDA is not available on this machine")
         return None
-    n = torch.cuda.device_count()
-    g = int(gpus_per_node) if gpus_per_node else n
-    if not 1 <= g <= n:
-        raise ValueError(f"run.gpus_per_node({gpus_per_node}) must be in 1..{n} (visible GPUs)")
-    if shard_size > 1 and g < shard_size:
-        raise ValueError(f"run.gpus_per_node({g}) < parallel.shard_size({shard_size}): the ranks "
-                         f"of one replica need distinct GPUs (NCCL refuses two on one device)")
-    local = 0
-    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"):
-        if os.environ.get(name) is not None:
-            local = int(os.environ[name])
-            break
-    dev = torch.device("cuda", local % g)
-    torch.cuda.set_device(dev)
-    return dev
+    return local_device(gpus_per_node)
 
 
 class ParamSnapshots:

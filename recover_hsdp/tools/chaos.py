@@ -16,7 +16,15 @@ half of the faults after the first one fire right after the commit that follows 
 fault, i.e. at the step boundary where the lost slot's join runs: they land on standbys (idle or
 healing), on joins (the sender, the newcomer) and on promoted standbys.
 
-A run passes when it ends within `--run-timeout` with every step committed, the faulted replicas
+Every planned fault fires before the run ends, by construction: the runs hold at the test gate
+(recover_hsdp/faults/gate.py; the runs set the seam's allow variable) before their last step, and
+this supervisor releases that boundary only once every planned fault has been sent. A fault still
+pending when the ranks stand there (the run outpaced its random moment) is sent there, at the
+hold (recorded `"at": "hold"`); one that cannot be sent (its rank is gone) is recorded in
+`unfired` with the reason, and the run FAILS. The moments stay random: the hold only stops the
+run from ending first.
+
+A run passes when it ends within `--run-timeout` with every planned fault fired and every step committed, the faulted replicas
 reported lost (a standby block: lost idle, its join abandoned, or the slot it was promoted to
 lost), and `recover-hsdp verify` OK. Reported: runs, faults by kind, steps committed,
 hangs (runs that hit the bound: must be 0), and per kind the detection time (stop: watchdog
@@ -83,7 +91,13 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
     victims = _victims(rng, W, K, args.faults)
     kinds = [rng.choice(args.kinds) for _ in victims]
     at_join = [i > 0 and K > 0 and rng.random() < 0.5 for i in range(len(victims))]
-    env = dict(os.environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
+    # the hold before the last step: released once every planned fault was sent (the run
+    # cannot end before), bounded by the run timeout (a dead supervisor: the ranks fail-stop)
+    gate = out / f"run{i:04d}.gate"
+    hold = steps - 1
+    _arm_gate(gate, hold, args.run_timeout)
+    env = dict(os.environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1", RECOVER_HSDP_ALLOW_TEST_FAULT="1",
+               RECOVER_HSDP_TEST_GATE=str(gate))
     env.pop("OMPI_COMM_WORLD_RANK", None)
     env.pop("RECOVER_HSDP_WORKER_FN", None)
     cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", f"parallel.replicas={W}",
@@ -102,7 +116,29 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
     marks = sorted(rng.uniform(1, steps * 0.8) for _ in victims)
     hung = False
     pending = list(zip(marks, victims, kinds, at_join))
+    unfired: list[dict] = []
+    released = False
     last_n, last_t, step_s = 0, time.time(), 1.0
+
+    def fire(rep: int, kind: str, n: int, at: Optional[str]) -> None:
+        # a random rank of the block; if its process is gone, another rank of the block
+        ranks = [rep * S + j for j in rng.sample(range(S), S)]
+        pids = _pids(run_dir)
+        why = f"no live process for ranks {ranks}"
+        for g in ranks:
+            pid = pids.get(g)
+            if not pid:
+                continue
+            try:
+                os.kill(pid, _SIG[kind])
+            except ProcessLookupError:
+                why = f"rank {g} (pid {pid}) already gone"
+                continue
+            faults.append({"kind": kind, "rank": g, "replica": rep, "pid": pid,
+                           "t": time.time(), "at_step": n, **({"at": at} if at else {})})
+            return
+        unfired.append({"kind": kind, "replica": rep, "at_step": n, "reason": why})
+
     while p.poll() is None:
         if time.time() - t0 > args.run_timeout:
             hung = True
@@ -120,28 +156,53 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
             last_n, last_t = n, time.time()
         if pending and pending[0][3] and faults:     # at the boundary after the last fault
             pending[0] = (faults[-1]["at_step"] + 1, *pending[0][1:3], "boundary")
-        if pending and n >= int(pending[0][0]):
+        held = not released and _at_hold(gate, hold)
+        if held:
+            # the ranks stand before the last step and cannot go on: what is still pending
+            # fires now, then the boundary is released
+            while pending:
+                _, rep, kind, _ = pending.pop(0)
+                fire(rep, kind, _committed(run_dir), "hold")
+            _release(gate, hold)
+            released = True
+        elif pending and n >= int(pending[0][0]):
             mark, rep, kind, when = pending.pop(0)
             if when != "boundary":
                 time.sleep(rng.uniform(0, step_s))  # a random moment inside the step
-            g = rep * S + rng.randrange(S)
-            pid = _pids(run_dir).get(g)
-            if pid:
-                try:
-                    os.kill(pid, _SIG[kind])
-                    faults.append({"kind": kind, "rank": g, "replica": rep, "pid": pid,
-                                   "t": time.time(), "at_step": n,
-                                   **({"at": "boundary"} if when == "boundary" else {})})
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.05)
+            fire(rep, kind, n, "boundary" if when == "boundary" else None)
+        time.sleep(0.05)   # paces the supervisor's loop (the hold, not this, orders the end)
     p.wait()
     log.close()
+    for _, rep, kind, _ in pending:         # the run ended (or hung) before its hold
+        unfired.append({"kind": kind, "replica": rep, "at_step": _committed(run_dir),
+                        "reason": "the run ended before it was sent"})
     res = {"run": i, "dir": str(run_dir), "rc": p.returncode, "hung": hung, "faults": faults,
+           "planned": len(victims), "unfired": unfired,
            "wall_s": time.time() - t0, "steps": steps, "replicas": W, "shard_size": S,
            **({"standby": K} if K else {})}
     _judge(res, run_dir, W, S)
     return res
+
+
+def _arm_gate(d: Path, hold: int, timeout_s: float) -> None:
+    from recover_hsdp.faults.gate import HOLDS
+
+    d.mkdir(parents=True, exist_ok=True)
+    for f in d.iterdir():            # a previous soak's markers and releases
+        f.unlink()
+    (d / HOLDS).write_text(json.dumps({"steps": [hold], "timeout_s": float(timeout_s)}))
+
+
+def _at_hold(d: Path, hold: int) -> bool:
+    """Some rank stands at the gate before step ``hold`` (the others follow: no rank passes
+    it until released)."""
+    return any(d.glob(f"before.step{hold}.rank*"))
+
+
+def _release(d: Path, hold: int) -> None:
+    from recover_hsdp.faults.gate import release_file
+
+    release_file(d, hold).write_text("go\n")
 
 
 def _victims(rng: random.Random, W: int, K: int, faults: int) -> list[int]:
@@ -213,10 +274,15 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
                                if int(p.name[len("hung.rank"):-len(".json")]) not in stopped]
     complete = res["committed"] == res["steps"]
     missing = {f["replica"] for f in res["faults"]} - set(lost)
-    ok = complete and not res["hung"] and not missing
+    unfired = res.get("unfired") or []
+    ok = complete and not res["hung"] and not missing and not unfired
     reason = ""
     if res["hung"]:
         reason = "hung (run timeout)"
+    elif unfired:
+        reason = (f"{len(unfired)}/{res.get('planned', len(unfired))} planned faults not fired: "
+                  + "; ".join(f"{u['kind']} on replica {u['replica']}: {u['reason']}"
+                              for u in unfired))
     elif not complete:
         reason = f"{res['committed']}/{res['steps']} steps committed"
     elif missing:
@@ -253,7 +319,11 @@ def report(results: list[dict]) -> str:
              f"steps committed: {sum(r.get('committed', 0) for r in results)}/"
              f"{sum(r['steps'] for r in results)}",
              f"false hang detections: {sum(len(r.get('false_detections', [])) for r in results)}",
-             "faults: " + ", ".join(f"{k} {sum(f['kind'] == k for f in faults)}" for k in KINDS)]
+             "faults: " + ", ".join(f"{k} {sum(f['kind'] == k for f in faults)}" for k in KINDS),
+             f"planned faults: {sum(r.get('planned', len(r['faults'])) for r in results)}, "
+             f"fired {len(faults)} ({sum(f.get('at') == 'hold' for f in faults)} at the hold "
+             f"before the last step), not fired "
+             f"{sum(len(r.get('unfired') or []) for r in results)}"]
     with_k = [r for r in results if r.get("standby")]
     if with_k:   # --standby: where the faults landed, what the joins did
         on_k = sum(f["replica"] >= r["replicas"] for r in with_k for f in r["faults"])

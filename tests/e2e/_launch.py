@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from recover_hsdp.hsdp.fsdp_hybrid import serve_store
+from tests._procs import current_deadline, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,11 @@ def mpirun_prefix(n: int) -> list[str]:
     return cmd
 
 
-def run_training(cfg: dict, *, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_training(cfg: dict, *, timeout: float | None = None,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """The trainer under mpirun; ``timeout`` defaults to what is left of the test's one budget."""
+    if timeout is None:
+        timeout = round(current_deadline().left())
     run_dir = Path(cfg["run"]["output_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / (run_dir.name + ".resolved.yaml")
@@ -78,18 +82,14 @@ def run_with_store(cmd: list[str], env: dict, *, timeout: float,
 
 def run_group(cmd: list[str], env: dict, *, timeout: float, hung: str,
               cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session, output captured; past ``timeout`` the whole process group
-    (launcher, mpirun, ranks) is SIGKILLed and the test fails with ``hung`` and the output's
-    tail."""
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """Run ``cmd`` in its own session, output captured; past ``timeout`` the whole tree
+    (launcher, mpirun, ranks: tests._procs.run) is SIGKILLed and the test fails with ``hung``
+    and the output's tail."""
     try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        raise AssertionError(f"{hung}:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+        return run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{hung}:\n{(e.output or '')[-4000:]}") from None
 
 
 if __name__ == "__main__":

@@ -17,14 +17,22 @@ def test_chaos_short(tmp_path, capsys):
     rc = chaos.main(["--runs", "1", "--steps", "20", "--replicas", "3", "--faults", "2",
                      # the fast detector (docs/faults.md's table): the defaults are not
                      # what this tests, and a SIGSTOP is found ~2 s sooner
-                     "--seed", "3", "--hang-timeout", "1", "--heartbeat", "0.25",
+                     "--seed", "0", "--hang-timeout", "1", "--heartbeat", "0.25",
                      "--run-timeout", "500", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     res = [json.loads(ln) for ln in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert rc == 0, out
     assert len(res) == 1 and res[0]["ok"] and not res[0]["hung"], res
-    assert res[0]["faults"], "no fault was injected"
-    assert "hangs: 0" in out
+    r = res[0]
+    # every planned fault fired (the run holds before its last step until they have), none is
+    # reported unfired, and each fired on its own planned replica
+    assert r["planned"] >= 1 and not r["unfired"], r
+    assert len(r["faults"]) == r["planned"], r
+    assert len({f["replica"] for f in r["faults"]}) == r["planned"], r
+    # no rank was judged hung that was not SIGSTOPped
+    assert r["false_detections"] == [], r
+    assert "hangs: 0" in out and "false hang detections: 0" in out, out
+    assert f"fired {r['planned']} " in out and "not fired 0" in out, out
 
 
 def test_report_format():
@@ -35,6 +43,16 @@ def test_report_format():
     assert "runs: 1, ok: 1, hangs: 0" in text and "steps committed: 5/5" in text
     assert "stop  detection median 3.20 s, max 3.20 s (n=1)" in text
     assert "kill 1, stop 1, raise 0" in text
+    assert "planned faults: 2, fired 2 (0 at the hold before the last step), not fired 0" in text
+
+
+def test_report_counts_unfired_faults(tmp_path):
+    """A planned fault that never fired is counted as not fired in the report."""
+    res = {"run": 0, "dir": str(tmp_path), "hung": False, "steps": 0, "faults": [],
+           "planned": 1, "unfired": [{"kind": "stop", "replica": 1, "at_step": 3,
+                                       "reason": "the run ended before it was sent"}]}
+    text = chaos.report([{**res, "ok": False, "reason": "x", "committed": 0}])
+    assert "planned faults: 1, fired 0 (0 at the hold before the last step), not fired 1" in text
 
 
 def test_bad_kinds_is_exit_2(tmp_path):

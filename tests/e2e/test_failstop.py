@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from recover_hsdp.faults.failstop import WATCH_POLL_S
 from recover_hsdp.record import read_run
+from tests._gate import TestGate
+from tests._procs import current_deadline, kill_tree, run
+from tests._wait import Deadline
 from tests.e2e._launch import REPO, mpirun_prefix, one_thread, run_with_store
 
 pytestmark = [pytest.mark.mpi]
@@ -24,7 +28,8 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.
 
 
 def _loop(tmp: Path, W: int, S: int, faults, steps: int = 5,
-          timeout: float = 300) -> subprocess.CompletedProcess:
+          timeout: float | None = None) -> subprocess.CompletedProcess:
+    timeout = current_deadline().left() if timeout is None else timeout   # the test's budget
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     spec = ",".join(f"{g}:{where}:{step}" for g, where, step in faults)
@@ -65,12 +70,14 @@ def _verify(run_dir: Path) -> None:
     assert res.exit_code == 0, res.message
 
 
-def _cli(*args, cwd: Path, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
+def _cli(*args, cwd: Path, env=None, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """The CLI in its own session, within the test's one budget (past it: the tree killed)."""
+    timeout = current_deadline().left() if timeout is None else timeout
     e = dict(os.environ, PYTHONPATH=str(REPO))
     e.pop("OMPI_COMM_WORLD_RANK", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=e,
+               capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.timeout(420)
@@ -116,55 +123,53 @@ def _pids(run_dir: Path) -> dict[int, int]:
     return out
 
 
+#: the SIGSTOP tests' detector: a rank is judged hung when its heartbeat is this old
+STOP_HANG_S, STOP_BEAT_S = 3.0, 0.5
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("S,seed", [(1, 1), (2, 2)])
 def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
-    """SIGSTOP a random rank at a random wall-clock moment, from outside: the launcher's
-    watchdog SIGKILLs it, every step commits, verify passes, its replica is reported lost."""
+    """SIGSTOP a random rank at a random step, from outside, while the test gate holds the job
+    there: the launcher's watchdog SIGKILLs it, every step commits, verify passes, its replica
+    is reported lost."""
     rng = random.Random(seed)
+    dl = Deadline(380)
     out = tmp_path / "run"
-    # enough steps that the stop lands mid-run on a quiet machine too (12 steps finished before
-    # the SIGSTOP once, with up to 2 s of random delay: ProcessLookupError on the victim's pid);
-    # the delay is now <= 0.5 s (~3 steps) and the fast detector finds the stop in <= ~2 s
-    W, steps = 3, 20
-    e = dict(os.environ, PYTHONPATH=str(REPO))
+    W, steps = 3, 8
+    at = rng.randrange(2, steps - 2)                # the step the rank is stopped before
+    victim = rng.randrange(S, W * S)  # never the whole job; any replica but 0 for the check
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W * S), timeout_s=300)
+    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
     e.pop("OMPI_COMM_WORLD_RANK", None)
     e.pop("RECOVER_HSDP_WORKER_FN", None)
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
                           f"parallel.replicas={W}", f"parallel.shard_size={S}",
-                          f"run.steps={steps}", f"run.output_dir={out}", "run.hang_timeout_s=1",
-                          "run.heartbeat_s=0.25",   # not the defaults' test: docs/faults.md table
-                          # snapshots every 10 keep the verify replay short
-                          *[a if not a.startswith("run.save_params_every=") else
-                            "run.save_params_every=10" for a in SMALL]], cwd=tmp_path, env=e,
+                          f"run.steps={steps}", f"run.output_dir={out}",
+                          f"run.hang_timeout_s={STOP_HANG_S:g}", f"run.heartbeat_s={STOP_BEAT_S:g}",
+                          *SMALL], cwd=tmp_path, env=e, start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    victim = rng.randrange(S, W * S)  # never the whole job; any replica but 0 for the check
-    t_stop = None
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and p.poll() is None:
-        steps_dir = out / "steps"
-        n = max((len(f.read_text().splitlines()) for f in steps_dir.glob("rank*.jsonl")),
-                default=0) if steps_dir.is_dir() else 0
-        if n >= 3:
-            time.sleep(rng.uniform(0, 0.5))
-            pid = _pids(out).get(victim)
-            if pid:
-                os.kill(pid, signal.SIGSTOP)
-                t_stop = time.time()
-                break
-        time.sleep(0.2)
     try:
-        stdout, _ = p.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    assert t_stop is not None, "never reached step 3"
+        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
+                       detail=lambda: p.stdout.read()[-4000:])
+        pid = _pids(out)[victim]
+        os.kill(pid, signal.SIGSTOP)                # held: the run cannot have ended
+        t_stop = time.time()
+        gate.release(at)
+        stdout, _ = p.communicate(timeout=dl.left())
+    finally:
+        if p.poll() is None:
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
+            p.communicate()
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
-    assert hung["time"] - t_stop < 1 + 0.25 + 0.5 + 2.0, hung  # timeout + beat + poll + slack
+    # one bound for the detector, from its config with 3x slack: timeout + a beat + a poll
+    bound = 3 * (STOP_HANG_S + STOP_BEAT_S + WATCH_POLL_S)
+    assert hung["time"] - t_stop < bound, (hung, t_stop, bound)
     rec = read_run(out)
     assert rec.committed == list(range(steps))
     assert victim // S not in rec.summary["replicas_alive"]
+    assert all(victim // S not in rec.steps[k].alive for k in range(at, steps))
     _verify(out)
 
 
@@ -181,7 +186,7 @@ def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
     sched.write_text("- {step: 2, replica: 0, local_rank: 1, location: forward, microbatch: 0}\n")
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=5",
              f"run.output_dir={out}", f"failures.schedule={sched}", "run.hang_timeout_s=1",
-             "run.heartbeat_s=0.25", *SMALL, cwd=tmp_path, timeout=240,
+             "run.heartbeat_s=0.25", *SMALL, cwd=tmp_path,
              env={"RECOVER_HSDP_TEST_SHARD_WEDGE_S": "60", "RECOVER_HSDP_ALLOW_TEST_FAULT": "1"})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     fired = json.loads((out / "faults" / "fired.rank1.json").read_text())

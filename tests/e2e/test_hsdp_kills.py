@@ -209,7 +209,7 @@ def test_kill_table(tmp_path, case):
     name, W, S, G, schedule, policy = case[:6]
     steps = _steps(case)
     cfg = _cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, policy=policy, steps=steps)
-    out = run_training(cfg, timeout=360)
+    out = run_training(cfg)  # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     _check_run(run_dir, W, S, G, schedule, policy, steps)
@@ -230,7 +230,7 @@ def test_verify_rejects_run_without_restoration(tmp_path):
     already include the dead replica; verify must reject that run."""
     schedule = [K(1, 1, "reduce", bucket=2)]      # W=2: the width is not the point (was W=4)
     cfg = _cfg(tmp_path, W=2, S=1, G=2, schedule=schedule, restore=False)
-    out = run_training(cfg, timeout=360)
+    out = run_training(cfg)  # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     assert _verify(run_dir) == 1

@@ -48,7 +48,7 @@ CASES = [
 @pytest.mark.parametrize("name,W,S,G,schedule", CASES, ids=[c[0] for c in CASES])
 def test_kills_inside_recovery(tmp_path, name, W, S, G, schedule):
     cfg = _cfg(tmp_path, W=W, S=S, G=G, schedule=schedule)
-    out = run_training(cfg, timeout=360)
+    out = run_training(cfg)  # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     summary = _check_run(run_dir, W, S, G, schedule, "static")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import load_params, param_copies, read_run
+from tests._procs import current_deadline, kill_tree
 from tests.e2e._launch import run_training
 from tests.e2e.test_hsdp_kills import K, _cfg, _verify
 
@@ -33,7 +34,7 @@ W, G, STEPS = 3, 2, 6
 def _run(tmp_path, schedule, *, S=1, standby=1, steps=STEPS):
     cfg = _cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, steps=steps)
     cfg["parallel"]["standby"] = standby
-    out = run_training(cfg, timeout=400)
+    out = run_training(cfg, timeout=current_deadline().left())   # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     rec = read_run(run_dir)
@@ -132,8 +133,8 @@ def test_two_cycles_of_one_slot_and_the_sender_dying(tmp_path):
 @pytest.mark.timeout(400)
 def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
     """An idle standby SIGSTOPped from outside (a hang): it stalls the world rounds every step
-    runs until the launcher's watchdog (`recover-hsdp train`, run.heartbeat_s=0.25,
-    run.hang_timeout_s=1) SIGKILLs it, within the bound a replica rank has; then the pool
+    runs until the launcher's watchdog (`recover-hsdp train`, run.heartbeat_s=0.5,
+    run.hang_timeout_s=3) SIGKILLs it, within the bound a replica rank has; then the pool
     shrinks. Every step commits on both replicas, the loss is no replica failure, the standby is
     reported lost (the step's extra.standbys_lost, the summary), verify OK."""
     import os
@@ -142,41 +143,42 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
     import sys
     import time
 
+    from recover_hsdp.faults.failstop import WATCH_POLL_S
+    from tests._gate import TestGate
+    from tests._wait import Deadline
     from tests.e2e._launch import REPO
-    from tests.e2e.test_failstop import SMALL, _pids
+    from tests.e2e.test_failstop import SMALL, STOP_BEAT_S, STOP_HANG_S, _pids
 
+    dl = Deadline(370)
     out, steps, victim = tmp_path / "run", 8, 2        # W=2: ranks 0, 1; the standby is rank 2
-    e = dict(os.environ, PYTHONPATH=str(REPO))
+    at = 3                                             # stopped before step 3: idle, in a round
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=(0, 1), timeout_s=300)
+    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
     e.pop("OMPI_COMM_WORLD_RANK", None)
     e.pop("RECOVER_HSDP_WORKER_FN", None)
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
                           "parallel.replicas=2", "parallel.standby=1", f"run.steps={steps}",
-                          f"run.output_dir={out}", "run.heartbeat_s=0.25", "run.hang_timeout_s=1",
+                          f"run.output_dir={out}", f"run.heartbeat_s={STOP_BEAT_S:g}",
+                          f"run.hang_timeout_s={STOP_HANG_S:g}",
                           # a loaded CI box may need more than the default 65 s to form the world
                           "run.startup_timeout_s=240",
                           *SMALL], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    t_stop = None
     try:
-        deadline = time.monotonic() + 300
-        while t_stop is None and time.monotonic() < deadline and p.poll() is None:
-            sd = out / "steps"
-            if sd.is_dir() and any(f.read_text().strip() for f in sd.glob("rank*.jsonl")):
-                pid = _pids(out).get(victim)          # after the first commit: idle, in a round
-                if pid:
-                    os.kill(pid, signal.SIGSTOP)
-                    t_stop = time.time()
-            time.sleep(0.05)
-        stdout, _ = p.communicate(timeout=300)
+        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
+                       detail=lambda: p.stdout.read()[-4000:])
+        os.kill(_pids(out)[victim], signal.SIGSTOP)   # the job is held: it cannot have ended
+        t_stop = time.time()
+        gate.release(at)
+        stdout, _ = p.communicate(timeout=dl.left())
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
             p.communicate()
-    assert t_stop is not None, f"never reached the first commit:\n{stdout[-4000:]}"
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
-    # the replica's bound (test_failstop): hang_timeout_s + heartbeat_s + poll + slack
-    assert hung["time"] - t_stop < 1 + 0.25 + 0.5 + 2.0, hung
+    # the replica's bound (test_failstop): 3 x (hang_timeout_s + heartbeat_s + poll)
+    assert hung["time"] - t_stop < 3 * (STOP_HANG_S + STOP_BEAT_S + WATCH_POLL_S), hung
     rec = read_run(out)
     assert rec.committed == list(range(steps)), stdout[-3000:]
     assert all(rec.steps[s].alive == [0, 1] and not rec.steps[s].failures for s in rec.committed)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import read_run
+from tests._procs import current_deadline
 from tests.e2e._launch import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,9 +42,11 @@ def _kills(*entries: tuple[int, int]) -> str:
         for s, r in entries) + "]"
 
 
-def _cli(*args: str, cwd: Path, timeout: float = 500) -> subprocess.CompletedProcess:
-    """One `recover-hsdp` command in its own session: past ``timeout`` the whole process group
-    (launcher, mpirun, ranks) is SIGKILLed and the test fails with the output's tail."""
+def _cli(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """One `recover-hsdp` command in its own session: past ``timeout`` (default: what is left of
+    the test's one budget, so train + verify fit its 600 s ceiling) the whole tree (launcher,
+    mpirun, ranks) is SIGKILLed and the test fails with the output's tail."""
+    timeout = round(current_deadline().left()) if timeout is None else timeout
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return run_group([sys.executable, "-m", "recover_hsdp.cli", *args], env, timeout=timeout,

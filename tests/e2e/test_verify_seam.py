@@ -29,7 +29,7 @@ def _run(tmp: Path, *, S: int, steps: int, optim: dict, faults: str, mp: str = "
     cfg = _cfg(tmp, W=2, S=S, G=2, steps=steps)
     cfg["optim"].update(optim)
     cfg["parallel"]["mixed_precision"] = mp
-    out = run_training(cfg, timeout=240, env={"RECOVER_HSDP_TEST_FAULT": faults, **ALLOW})
+    out = run_training(cfg, env={"RECOVER_HSDP_TEST_FAULT": faults, **ALLOW})
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     assert "TEST FAULT SEAM ACTIVE" in out.stdout, out.stdout[-3000:]

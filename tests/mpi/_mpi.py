@@ -7,15 +7,14 @@
 
 Ranks write results with `tests/mpi/workers/_worker.py::write_result` (or any code writing
 `<RECOVER_HSDP_MPI_OUT>/rank<r>.json`). Success is read from these files, never from mpirun's
-exit status (under ULFM mpirun exits 0 even after SIGKILLs). On timeout the whole process group
-of mpirun is SIGKILLed and the call raises MpiTimeout with the output tails, so a hang fails the
-test fast instead of eating CI.
+exit status (under ULFM mpirun exits 0 even after SIGKILLs). On timeout mpirun's whole tree, the
+ranks included, is SIGKILLed (tests._procs.run) and the call raises MpiTimeout with the output
+tails, so a hang fails the test fast instead of eating CI.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Mapping, Sequence
 
 from recover_hsdp.collectives.launch import mpi_env as _launch_env
 from recover_hsdp.collectives.launch import mpirun_command
+from tests._procs import run
 
 __all__ = ["MpiRun", "MpiTimeout", "OUT_ENV", "REPO", "WORKERS", "mpi_env", "mpirun_command",
            "run_mpi"]
@@ -81,21 +81,15 @@ def run_mpi(
     target = str(script_or_module)
     prog = [sys.executable, target] if target.endswith(".py") else [sys.executable, "-m", target]
     cmd = mpirun_command(nprocs, ft=ft, extra_args=mpirun_args) + prog + [str(a) for a in args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=mpi_env({OUT_ENV: str(out), **(env or {})}),
-                            cwd=str(cwd or REPO), start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        stdout, stderr = proc.communicate()
-        run = MpiRun(None, stdout, stderr, out, _collect(out))
+    try:   # its own session; past the timeout the whole tree, ranks included, is SIGKILLed
+        proc = run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                   env=mpi_env({OUT_ENV: str(out), **(env or {})}), cwd=str(cwd or REPO),
+                   timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        run_ = MpiRun(None, e.output or "", e.stderr or "", out, _collect(out))
         raise MpiTimeout(f"mpirun exceeded {timeout}s: {' '.join(cmd)}\n"
-                         f"results from ranks {run.survivors}\n{run.tail()}") from None
-    return MpiRun(proc.returncode, stdout, stderr, out, _collect(out))
+                         f"results from ranks {run_.survivors}\n{run_.tail()}") from None
+    return MpiRun(proc.returncode, proc.stdout, proc.stderr, out, _collect(out))
 
 
 def _collect(out: Path) -> dict[int, object]:

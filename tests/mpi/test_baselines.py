@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._procs import current_deadline, run
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.mpi
 
@@ -27,14 +29,15 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_h
 KILL = "failures.schedule=[{step: 3, replica: 1, local_rank: 0, location: reduce, bucket: 1}]"
 
 
-def _train(out: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in its own session, within what is left of the running test's one budget."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     for k in ("OMPI_COMM_WORLD_RANK", "RECOVER_HSDP_WORKER_FN"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "train", *TINY, *args,
-                        f"run.output_dir={out}"], cwd=out.parent, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = run([sys.executable, "-m", "recover_hsdp.cli", "train", *TINY, *args,
+             f"run.output_dir={out}"], cwd=out.parent, env=env, capture_output=True,
+            text=True, timeout=current_deadline().left())
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     return p
 

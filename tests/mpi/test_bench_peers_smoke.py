@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._procs import run as run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_bench_peers_smoke_dynamic_one_kill(tmp_path):
+def test_bench_peers_smoke_dynamic_one_kill(tmp_path, deadline):
     import importlib.util
 
     assert importlib.util.find_spec("torchft") is not None, \
@@ -37,7 +38,7 @@ def test_bench_peers_smoke_dynamic_one_kill(tmp_path):
            "--heartbeat-timeout-ms", "1000", "--run-timeout", "80", "--time-limit", "90",
            "--out", str(out), "--work-dir", str(work)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    p = run_cli(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=deadline.left())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     run = res["runs"]["torchft_dynamic"]

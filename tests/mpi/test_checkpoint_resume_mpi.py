@@ -11,10 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests._gate import TestGate
+from tests._wait import Deadline, until, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]
 # each test is two launches plus an exact replay (verify), the chain (three tests) three
@@ -29,47 +31,30 @@ SMALL = [*TINY_MODEL, "parallel.seq_len=16", "parallel.micro_batch_size=1",
          "run.save_params_every=1"]
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(extra or {}))
     env.pop("OMPI_COMM_WORLD_RANK", None)
     env.pop("RECOVER_HSDP_WORKER_FN", None)
     return env
 
 
-def _cli(*args: str, cwd: Path, timeout: float = 500) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(*args: str, cwd: Path, dl: Deadline) -> subprocess.CompletedProcess:
+    """`recover-hsdp ARGS` in its own session; past the test's deadline its whole family
+    (launcher, mpirun, ranks) is SIGKILLed and the test fails."""
+    p = _start(*args, cwd=cwd)
+    try:
+        out, _ = p.communicate(timeout=dl.left())
+    except subprocess.TimeoutExpired:
+        _kill_family(p.pid, dl)
+        raise AssertionError(f"recover-hsdp {args[0]} ran past the test's {dl.total:.0f} s: "
+                             f"{p.stdout.read()[-3000:]}") from None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, "")
 
 
-#: the chain's launches sleep this long after each commit (test-only knob): a tiny model's 0.05 s
-#: steps on a quiet machine outran the 0.3 s progress polls (SIGUSR1 landed at step 11 of 14)
-CHAIN_STEP_DELAY = {"RECOVER_HSDP_TEST_STEP_DELAY_S": "0.25", "RECOVER_HSDP_ALLOW_TEST_FAULT": "1"}
-
-
-def _start(*args: str, cwd: Path, slow: bool = False) -> subprocess.Popen:
+def _start(*args: str, cwd: Path, gate: TestGate | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd,
-                            env={**_env(), **(CHAIN_STEP_DELAY if slow else {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _committed(run_dir: Path) -> int:
-    """Highest step any rank file holds, -1 if none (a cheap progress probe)."""
-    best = -1
-    for p in (run_dir / "steps").glob("rank*.jsonl"):
-        for line in p.read_text().splitlines():
-            try:
-                best = max(best, int(json.loads(line)["step"]))
-            except ValueError:
-                pass
-    return best
-
-
-def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
-    t0 = time.monotonic()
-    while _committed(run_dir) < step:
-        assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
-        assert time.monotonic() - t0 < timeout, f"step {step} not committed in {timeout} s"
-        time.sleep(0.3)
+                            env=_env(gate.env() if gate else None), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -87,55 +72,42 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _workers(pid: int) -> list[int]:
+    """The rank processes under a launcher (python ... --worker; not mpirun, whose command line
+    carries the same words)."""
     got = []
     for p in _descendants(pid):
         try:
-            if b"--worker" in Path(f"/proc/{p}/cmdline").read_bytes():
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            if b"--worker" in argv and b"python" in Path(argv[0].decode()).name.encode():
                 got.append(p)
         except OSError:
             pass
     return got
 
 
-def _check_one_run(run_dir: Path, steps: int, tmp: Path) -> dict:
+def _check_one_run(run_dir: Path, steps: int, tmp: Path, dl: Deadline) -> dict:
     from recover_hsdp.record import read_run
 
     rec = read_run(run_dir)       # refuses a step recorded twice with different content
     assert sorted(rec.steps) == list(range(steps))
     ids = [i for s in rec.steps.values() for v in s.contributions.values() for i in v]
     assert len(ids) == len(set(ids)), "a microbatch id committed twice"
-    v = _cli("verify", str(run_dir), cwd=tmp)
-    assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-3000:]
+    v = _cli("verify", str(run_dir), cwd=tmp, dl=dl)
+    assert v.returncode == 0, v.stdout[-4000:]
     return {"record": rec}
 
 
-def _kill_family(pid: int) -> None:
-    """SIGKILL a launcher and everything under it (its orphaned mpirun job, as Slurm would)."""
-    for p in [pid, *_descendants(pid)]:
+def _kill_family(pid: int, dl: Deadline) -> None:
+    """SIGKILL a launcher and everything under it (its orphaned mpirun job, as Slurm would),
+    then wait for each death (pidfd)."""
+    family = [pid, *_descendants(pid)]
+    for p in family:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _segment_start(run_dir: Path, k: int) -> dict | None:
-    for line in _read(run_dir / "segments.jsonl").splitlines():
-        try:
-            x = json.loads(line)
-        except ValueError:          # a line being written
-            continue
-        if x.get("event") == "start" and x.get("segment") == k:
-            return x
-    return None
-
-
-def _wait_for_segment(proc: subprocess.Popen, run_dir: Path, k: int, timeout: float) -> dict:
-    t0 = time.monotonic()
-    while (got := _segment_start(run_dir, k)) is None:
-        assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
-        assert time.monotonic() - t0 < timeout, f"segment {k} not started in {timeout} s"
-        time.sleep(0.3)
-    return got
+    for p in family:
+        wait_dead(p, dl.sub(30), "a process of the killed launch")
 
 
 def _read(p: Path) -> str:
@@ -151,66 +123,78 @@ def _complete(run_dir: Path) -> list[int]:
 
 
 CHAIN_STEPS = 14
+RANKS = (0, 1)        # W=2, S=1
+
+
+def _held(gate: TestGate, step: int, proc: subprocess.Popen, dl: Deadline) -> None:
+    gate.wait_held(step, dl, alive=lambda: proc.poll() is None,
+                   detail=lambda: proc.stdout.read()[-3000:])
 
 
 @pytest.fixture(scope="module")
 def interrupted_chain(tmp_path_factory) -> dict:
     """ONE run interrupted three ways, each resumed by the next launch (one verify for the three
-    instead of three runs; W=2, S=1, G=2):
-      launch A (checkpoints only on request): SIGUSR1 to the launcher after step 1 -> the ranks
-        checkpoint at the agreed step T and leave, exit code 4;
-      launch B (run.resume=true, a checkpoint every 2 steps from here on): past step T+3 the
-        launcher is SIGKILLed with its orphaned mpirun job (as Slurm would);
-      launch C (run.resume=true): past step T+5 every rank is SIGKILLed; the launcher relaunches
-        at full width from the newest checkpoint and finishes the run (exit 0)."""
+    instead of three runs; W=2, S=1, G=2). Every action lands while the test gate holds the
+    job at a known step, so each launch's outcome is exact on any machine:
+      launch A (checkpoints only on request): held before step 2, SIGUSR1 to the launcher ->
+        STOP at step 1 + 3 = 4: the ranks checkpoint at 4 and leave, exit code 4;
+      launch B (run.resume=true, a checkpoint every 2 steps): held before step 8 (save 8 has
+        finished save 6), the launcher is SIGKILLed with its orphaned mpirun job (as Slurm
+        would): checkpoints 4 and 6 complete;
+      launch C (run.resume=true, from 6): held before step 8, every rank SIGKILLed; the launcher
+        relaunches at full width from checkpoint 6 and finishes the run (exit 0)."""
+    dl = Deadline(840)                                   # the first test's 900 s ceiling
     tmp = tmp_path_factory.mktemp("chain")
     out = tmp / "run"
     args = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
             f"run.steps={CHAIN_STEPS}", "run.max_restarts=2", f"run.output_dir={out}", *SMALL]
     got: dict = {"out": out}
-    proc = _start("train", *args, "run.ckpt_interval=100", cwd=tmp, slow=True)
+    gate = TestGate(tmp / "gate_a", hold=[2], ranks=RANKS, timeout_s=300)
+    proc = _start("train", *args, "run.ckpt_interval=100", cwd=tmp, gate=gate)
     try:
-        _wait_for_step(proc, out, 1, timeout=300)
+        _held(gate, 2, proc, dl)
         proc.send_signal(signal.SIGUSR1)
-        got["a_text"], _ = proc.communicate(timeout=300)
+        until(lambda: (out / "checkpoints" / "STOP").is_file(), dl, "the launcher's STOP file",
+              alive=lambda: proc.poll() is None)
+        gate.release(2)
+        got["a_text"], _ = proc.communicate(timeout=dl.left())
     finally:
         if proc.poll() is None:
-            _kill_family(proc.pid)
-            proc.wait(60)
+            _kill_family(proc.pid, dl)
     got["a_rc"] = proc.returncode
     got["a_ckpts"] = _complete(out)
-    assert got["a_rc"] == 4 and got["a_ckpts"], got["a_text"][-4000:]
-    stop = max(got["a_ckpts"])
-    assert stop + 6 < CHAIN_STEPS, f"SIGUSR1 checkpoint at step {stop}: too late for the chain"
+    assert got["a_rc"] == 4 and got["a_ckpts"] == [4], (got["a_ckpts"], got["a_text"][-4000:])
     summary_before = _read(out / "summary.json")
 
-    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, slow=True)
+    gate = TestGate(tmp / "gate_b", hold=[8], ranks=RANKS, timeout_s=300)
+    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, gate=gate)
     try:
-        _wait_for_step(proc, out, stop + 3, timeout=300)
-        t0 = time.monotonic()       # and for a checkpoint of its own (async saves lag a step)
-        while max(_complete(out)) <= stop:
-            assert proc.poll() is None, f"run ended early: {proc.stdout.read()[-3000:]}"
-            assert time.monotonic() - t0 < 120, "no checkpoint past the SIGUSR1 one in 120 s"
-            time.sleep(0.3)
+        _held(gate, 8, proc, dl)
     finally:
-        _kill_family(proc.pid)
-        got["b_text"], _ = proc.communicate(timeout=60)
+        _kill_family(proc.pid, dl)
+        got["b_text"], _ = proc.communicate(timeout=dl.left())
+    got["b_ckpts"] = _complete(out)
+    assert got["b_ckpts"] == [4, 6], (got["b_ckpts"], got["b_text"][-4000:])
     got["summary_untouched"] = _read(out / "summary.json") == summary_before
 
-    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, slow=True)
+    gate = TestGate(tmp / "gate_c", hold=[8], ranks=RANKS, timeout_s=300)
+    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, gate=gate)
     try:
-        resumed = _wait_for_segment(proc, out, 2, timeout=300)  # lines past it moved away
-        _wait_for_step(proc, out, max(stop + 5, int(resumed["resume_step"]) + 1), timeout=300)
-        for p in _workers(proc.pid):
+        _held(gate, 8, proc, dl)
+        workers = _workers(proc.pid)
+        assert len(workers) == len(RANKS), workers
+        for p in workers:
             os.kill(p, signal.SIGKILL)
-        got["c_text"], _ = proc.communicate(timeout=500)
+        for p in workers:
+            wait_dead(p, dl, "a SIGKILLed rank")
+        gate.release(8)             # the relaunch's ranks pass step 8 freely
+        got["c_text"], _ = proc.communicate(timeout=dl.left())
     finally:
         if proc.poll() is None:
-            _kill_family(proc.pid)
-            proc.wait(60)
+            _kill_family(proc.pid, dl)
     got["c_rc"] = proc.returncode
     assert got["c_rc"] == 0, got["c_text"][-4000:]
-    got.update(_check_one_run(out, CHAIN_STEPS, tmp))   # every step once; verify passes
+    got.update(_check_one_run(out, CHAIN_STEPS, tmp, dl))   # every step once; verify passes
     got["starts"] = [x for x in map(json.loads, (out / "segments.jsonl").read_text()
                                     .splitlines()) if x["event"] == "start"]
     return got
@@ -225,7 +209,7 @@ def test_sigusr1_saves_exits_4_then_resumes(interrupted_chain):
     assert "the ranks checkpoint at step" in c["a_text"], c["a_text"][-4000:]
     assert c["a_ckpts"], "no complete checkpoint after SIGUSR1"
     assert c["starts"][1]["reason"] == "resume"
-    assert c["starts"][1]["resume_step"] == max(c["a_ckpts"])
+    assert c["starts"][1]["resume_step"] == 4
     assert sorted(c["record"].steps) == list(range(CHAIN_STEPS))
 
 
@@ -237,7 +221,7 @@ def test_sigkill_launcher_mid_run_then_resume(interrupted_chain):
     assert c["summary_untouched"], "the SIGKILLed launch wrote summary.json"
     assert "resumed from" in c["c_text"], c["c_text"][-3000:]
     assert c["starts"][2]["reason"] == "resume"
-    assert c["starts"][2]["resume_step"] > max(c["a_ckpts"])    # launch B's own checkpoint
+    assert c["starts"][2]["resume_step"] == 6                    # launch B's own checkpoint
     assert sorted(c["record"].steps) == list(range(CHAIN_STEPS))
 
 
@@ -250,20 +234,23 @@ def test_all_replicas_lost_relaunch_at_full_width(interrupted_chain):
     assert c["record"].steps[CHAIN_STEPS - 1].alive == [0, 1]
     assert [s["segment"] for s in c["starts"]] == [0, 1, 2, 3]
     assert c["starts"][3]["reason"] == "relaunch 1 at full width"
+    assert c["starts"][3]["resume_step"] == 6       # save 8 was in flight when the ranks died
 
 
 def test_resume_at_another_shape_w4g2_to_w2g4(tmp_path):
     """W=4,G=2 -> W=2,G=4 at S=1 (B = 8 kept): the resumed segment serves initial slices 0 and 1
     from their cursors, 2 and 3 stay abandoned; verify passes over both segments."""
+    dl = Deadline(560)
     out = tmp_path / "run"
     base = ["parallel.shard_size=1", "run.steps=6", "run.ckpt_interval=2",
             f"run.output_dir={out}", *SMALL]
-    p = _cli("train", "parallel.replicas=4", "parallel.grad_accum=2", *base, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    p = _cli("train", "parallel.replicas=4", "parallel.grad_accum=2", *base, cwd=tmp_path,
+             dl=dl)
+    assert p.returncode == 0, p.stdout[-4000:]
     p = _cli("train", "parallel.replicas=2", "parallel.grad_accum=4", "run.resume=true", *base,
-             cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    rec = _check_one_run(out, 6, tmp_path)["record"]
+             cwd=tmp_path, dl=dl)
+    assert p.returncode == 0, p.stdout[-4000:]
+    rec = _check_one_run(out, 6, tmp_path, dl)["record"]
     assert sorted(rec.steps[5].contributions) == [0, 1]
     assert sorted(rec.steps[3].contributions) == [0, 1, 2, 3]
 
@@ -285,6 +272,7 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     record edited to repeat an id fails verify."""
     import lzma
 
+    dl = Deadline(560)
     corpus = tmp_path / "docs.jsonl"
     with lzma.open(ROOT / "recover_hsdp/data/embedded/corpus.jsonl.xz", "rt") as f:
         corpus.write_text("".join(next(f) for _ in range(12)))
@@ -294,13 +282,13 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
             "run.steps=6", "run.ckpt_interval=2", f"run.output_dir={out}",
             "parallel.seq_len=32", "run.save_params_every=1", *TINY_MODEL]
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "parallel.grad_accum=2",
-             "parallel.micro_batch_size=1", *base, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+             "parallel.micro_batch_size=1", *base, cwd=tmp_path, dl=dl)
+    assert p.returncode == 0, p.stdout[-4000:]
     p = _cli("train", "parallel.replicas=4", "parallel.shard_size=1", "parallel.grad_accum=1",
-             "parallel.micro_batch_size=2", "run.resume=true", *base, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+             "parallel.micro_batch_size=2", "run.resume=true", *base, cwd=tmp_path, dl=dl)
+    assert p.returncode == 0, p.stdout[-4000:]
     assert "resumed from" in p.stdout and "step 4" in p.stdout, p.stdout[-3000:]
-    rec = _check_one_run(out, 6, tmp_path)["record"]
+    rec = _check_one_run(out, 6, tmp_path, dl)["record"]
     assert rec.steps[5].alive == [0, 1, 2, 3]
     # slice s's sub-streams j=0,1 take k = 8, 9 at step 4: what 2 replicas x G=2 would take
     assert rec.steps[4].contributions == {0: [16, 18], 1: [17, 19]}
@@ -315,6 +303,6 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
             if x["step"] == 5:
                 x["contributions"]["0"] = [16, 22]
         f.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    v = _cli("verify", str(out), "--records-only", cwd=tmp_path)
-    assert v.returncode == 1, v.stdout[-3000:] + v.stderr[-2000:]
+    v = _cli("verify", str(out), "--records-only", cwd=tmp_path, dl=dl)
+    assert v.returncode == 1, v.stdout[-3000:]
     assert "16" in v.stdout and "twice" in v.stdout, v.stdout[-3000:]

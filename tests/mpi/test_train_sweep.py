@@ -29,12 +29,13 @@ def _run_dir(base: Path, index: int, replicas: int) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_sweep_of_two_real_jobs_then_verify(tmp_path):
+def test_sweep_of_two_real_jobs_then_verify(tmp_path, deadline):
+    # one budget (below the 300 s ceiling) for the sweep and both verifies
     from recover_hsdp.record import read_run
 
     base = tmp_path / "sweep"
     p = _cli("train", "-m", "parallel.replicas=1,2", f"run.steps={STEPS}",
-             f"run.output_dir={base}", *TINY, cwd=tmp_path, timeout=280)
+             f"run.output_dir={base}", *TINY, cwd=tmp_path, timeout=deadline.left())
     log = p.stdout[-6000:] + p.stderr[-4000:]
     assert p.returncode == 0, log
 
@@ -71,5 +72,5 @@ def test_sweep_of_two_real_jobs_then_verify(tmp_path):
 
     # and each one replays exactly
     for i, w in JOBS:
-        v = _cli("verify", str(_run_dir(base, i, w)), cwd=tmp_path, timeout=120)
+        v = _cli("verify", str(_run_dir(base, i, w)), cwd=tmp_path, timeout=deadline.left())
         assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-4000:]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._procs import run
+
 from recover_hsdp.tools.chaos import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,28 +35,30 @@ JOBS = {
 }
 
 
-def _cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """The CLI in its own session (past ``timeout`` its whole tree, ranks included, is killed)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for k in ("OMPI_COMM_WORLD_RANK", "RECOVER_HSDP_WORKER_FN", "RECOVER_HSDP_TEST_FAULT"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
+               capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("job", list(JOBS))
-def test_job_passes_verify(tmp_path, job):
+def test_job_passes_verify(tmp_path, job, deadline):
+    # one budget (below the 420 s ceiling) for train and verify together
     out = tmp_path / "run"
     p = _cli("train", "parallel.replicas=4", "parallel.shard_size=1", "parallel.grad_accum=1",
              f"run.output_dir={out}", *SMALL_AUTO, *JOBS[job],
-             cwd=tmp_path)
+             cwd=tmp_path, timeout=deadline.left())
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     s = json.loads((out / "summary.json").read_text())
     steps = int(JOBS[job][-1].split("=")[1])
     assert s["steps_committed"] == steps
     want_dead = 3 if job == "readme" else 2
     assert len(s["replicas_alive"]) == 4 - want_dead, s      # every scheduled kill happened
-    v = _cli("verify", str(out), "--quiet", cwd=tmp_path)
+    v = _cli("verify", str(out), "--quiet", cwd=tmp_path, timeout=deadline.left())
     assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-4000:]
     assert f"compared={steps}" in v.stdout, v.stdout[-2000:]   # every step judged
     assert json.loads((out / "meta.json").read_text())["save_params_every"] == 1

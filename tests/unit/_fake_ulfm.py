@@ -117,6 +117,10 @@ class FakeWorld:
         self.alive = set(range(n)) - set(dead)
         self.kills = list(kills)
         self.fired: list[Kill] = []
+        # (rank, iteration, at) -> how many positions of that kind the rank reached in that
+        # iteration (compute: microbatch positions; else: calls): a kill that never fired is
+        # provably unreachable iff its index >= this count (tests/unit/test_orchestrator.py)
+        self.reached: dict[tuple[int, int, str], int] = {}
         self.hsdp_style = hsdp_style
         self.timeout = timeout
         self.error: Optional[BaseException] = None
@@ -129,6 +133,8 @@ class FakeWorld:
 
     # ---- kills ---------------------------------------------------------------------------
     def _take_kill(self, rank: int, iteration: int, at: str, index: int) -> Optional[Kill]:
+        key = (rank, iteration, at)
+        self.reached[key] = max(self.reached.get(key, 0), index + 1)
         for k in self.kills:
             if (k.replica, k.iteration, k.at, k.index) == (rank, iteration, at, index):
                 self.kills.remove(k)

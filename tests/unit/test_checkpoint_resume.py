@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests._procs import current_deadline, run
 
 from recover_hsdp.record.checkpoint import (COMPLETE, assign_slices, assign_streams, ckpt_path,
                                             contiguous_resume_violations, finalize,
@@ -147,8 +148,8 @@ def test_resume_cursor_check_catches_a_repeat_and_a_skip():
 def _cli(*args, cwd):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("OMPI_COMM_WORLD_RANK", None)
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run([sys.executable, "-m", "recover_hsdp.cli", *args], cwd=cwd, env=env,
+               capture_output=True, text=True, timeout=current_deadline().left())
 
 
 SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2"]

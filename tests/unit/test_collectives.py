@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests import _procs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,8 +38,8 @@ MAJ, MIN, MAJ_SP, MIN_SP, BMIN = (int(r) for r in Role)
 def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("OMPI_COMM_WORLD_RANK", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=str(REPO), timeout=timeout)
+    return _procs.run([sys.executable, "-c", code], capture_output=True, text=True,
+                      env=env, cwd=str(REPO), timeout=timeout)
 
 
 # ---- registration ------------------------------------------------------------------------------

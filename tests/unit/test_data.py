@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import _procs
 import torch
 
 from recover_hsdp.data import (DataConfig, MicrobatchSource,
@@ -157,8 +159,8 @@ def test_same_id_same_tensors_in_another_process_and_offline_hub_error(cfg, tok)
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, timeout=120, check=True).stdout.splitlines()
+    out = _procs.run([sys.executable, "-c", script], capture_output=True, text=True,
+                     env=env, timeout=120, check=True).stdout.splitlines()
     assert out[0] == here
     err = [ln for ln in out if ln.startswith("ERR ")]
     assert len(err) == 1 and "cannot stream allenai/c4/en split 'train'" in err[0]

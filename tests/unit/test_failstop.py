@@ -6,11 +6,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
+from tests import _procs
+
 from recover_hsdp.faults import failstop as fs
+from tests._wait import until
 
 
 @pytest.mark.parametrize("msg,peer", [
@@ -177,12 +179,20 @@ def test_progress_timeout_respects_long_phases(tmp_path):
         p.wait(5)
 
 
+def _beat_time(hb) -> float:
+    try:
+        return float(json.loads(hb.path.read_text())["time"])
+    except (OSError, ValueError, KeyError):
+        return 0.0      # mid-rewrite: read again
+
+
 def test_heartbeat_thread_beats(tmp_path):
     hb = fs.Heartbeat(tmp_path, 1, period_s=0.05).start()
     try:
         t1 = json.loads(hb.path.read_text())["time"]
-        time.sleep(0.3)
-        assert json.loads(hb.path.read_text())["time"] > t1
+        # the next beat itself, not a sleep; bound: 3x the 2 s lateness the watchdog tolerates
+        # before it calls itself stalled (test_watchdog_that_was_itself_stalled_...)
+        until(lambda: _beat_time(hb) > t1, 3 * 2.0, "the heartbeat thread's next beat")
     finally:
         hb.stop()
 
@@ -226,8 +236,8 @@ def test_sigusr1_raise_seam_becomes_a_fail_stop(tmp_path):
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
             "while True: time.sleep(0.01)\n")
     env = dict(__import__("os").environ, RECOVER_HSDP_RAISE_ON_SIGUSR1="1")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = _procs.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                   timeout=60)
     assert p.returncode == -signal.SIGKILL, p.stderr
     rec = json.loads((tmp_path / "errors" / "rank2.json").read_text())
     assert rec["class"] == "InjectedFault" and rec["step"] == 4

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests import _procs
+
 from recover_hsdp.faults import FailureInjector, FailureSchedule, replica_lost_exit
 
 SCHEDULE = FailureSchedule.from_list([
@@ -147,8 +149,8 @@ CHILD = textwrap.dedent("""
 
 
 def _run_child(mode):
-    return subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
-                          timeout=60)
+    return _procs.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
+                      timeout=60)
 
 
 def test_really_dies_by_sigkill_after_flushing():

@@ -6,6 +6,8 @@ import sys
 import textwrap
 
 import pytest
+
+from tests import _procs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -227,8 +229,8 @@ def test_generate_always_validates(replicas, shard, accum, buckets, seed, data):
 def test_generate_identical_in_a_separate_process():
     code = ("from recover_hsdp.faults import generate; import sys; "
             f"sys.stdout.write(generate(**{GEN!r}).to_yaml())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True, env={"PYTHONHASHSEED": "random"} | _env())
+    out = _procs.run([sys.executable, "-c", code], capture_output=True, text=True,
+                     timeout=60, check=True, env={"PYTHONHASHSEED": "random"} | _env())
     assert out.stdout == generate(**GEN).to_yaml()
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 
 from _spawn import run_workers, save_partial
+from tests._wait import until, wait_dead
 
 G = 2          # microbatches per replica per step
 ROWS = 4       # rows per (replica) microbatch, split evenly over the shard ranks
@@ -125,7 +126,7 @@ def _topology_results(replicas, shard_size, rank, scenarios, groups=None):
 
     topo = fh.HybridTopology.for_world(replicas, shard_size, rank, dist.get_world_size())
     fh.check_identical_init(make_model())
-    shard_pg = fh.new_shard_groups(topo, backend="gloo", timeout_s=10)
+    shard_pg = fh.new_shard_groups(topo, backend="gloo", timeout_s=GROUP_TIMEOUT_S)
     if groups is not None:
         groups.update(topo=topo, shard_pg=shard_pg)
     replicate_pg = None
@@ -140,10 +141,30 @@ def _topology_results(replicas, shard_size, rank, scenarios, groups=None):
     return out
 
 
+#: gloo timeout of the world and shard groups: no verdict of these tests waits for it (a dead
+#: peer is seen by its closed socket; the hung probe has its own 1 s groups), it only bounds a
+#: rendezvous or collective that a rank slow to start (a loaded box) arrives at late
+GROUP_TIMEOUT_S = SPAWN_TIMEOUT_S
+
+
 def _init(rank):
     os.environ["OMPI_COMM_WORLD_RANK"] = str(rank)
     torch.set_num_threads(1)
-    fh.init_distributed_from_env(backend="gloo", timeout_s=10)
+    fh.init_distributed_from_env(backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+
+
+def _pids():
+    """Every rank's pid (a world collective, before any rank dies)."""
+    import torch.distributed as dist
+
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return pids
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
 
 
 SCENARIOS = {
@@ -169,10 +190,11 @@ def worker_four(rank, nprocs):
     _init(rank)
     groups = {}
     res = {"2x2": _topology_results(2, 2, rank, _scenarios(2), groups)}
+    pids = _pids()
     save_partial(res)
     if rank == 0:  # the store dies with it
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
+    wait_dead(pids[0], SPAWN_TIMEOUT_S, "rank 0 SIGKILLing itself")   # the death, then the rest
     # Replica 1 must train on without the store; rank 1 (replica 0) must see its peer's death
     # inside FSDP's own shard-group collectives.
     topo, shard_pg = groups["topo"], groups["shard_pg"]
@@ -225,12 +247,12 @@ def _fault_probe(rank, dist):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)   # hung: rank 0 must time out
         os.kill(os.getpid(), signal.SIGKILL)   # resumed by rank 0: now die
-    time.sleep(0.2)
+    until(lambda: _stopped(pids[1]), SPAWN_TIMEOUT_S, "rank 1 stopped")
     out = {}
     for label, pg in (("hung", hung_pg), ("killed", dead_pg)):
         if label == "killed":
             os.kill(pids[1], signal.SIGCONT)
-            time.sleep(0.3)
+            wait_dead(pids[1], SPAWN_TIMEOUT_S, "rank 1 SIGKILLing itself once resumed")
         t0 = time.monotonic()
         try:
             dist.all_reduce(t, group=pg)

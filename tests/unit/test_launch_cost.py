@@ -10,14 +10,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests._procs import current_deadline, run
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(code: str, timeout: float = 240) -> dict:
+def _run(code: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+            text=True, timeout=current_deadline().left())
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -124,7 +125,7 @@ print("not reached")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     for arg, want_rc, want in (("plain", 3, "buffered lineatexit ran\n"),
                                ("thread", 5, "buffered line returned 5\natexit ran\n")):
-        p = subprocess.run([sys.executable, "-c", code, arg], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=240)
+        p = run([sys.executable, "-c", code, arg], cwd=REPO, env=env,
+                capture_output=True, text=True, timeout=current_deadline().left())
         assert p.returncode == want_rc and p.stdout == want, (arg, p.returncode, p.stdout,
                                                               p.stderr[-2000:])

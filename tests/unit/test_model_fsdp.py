@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests import _procs
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
@@ -50,6 +52,6 @@ SCRIPT = textwrap.dedent("""
 
 def test_fsdp1_per_block_units_and_fsdp2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = _procs.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")],
+                     capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stderr[-3000:]

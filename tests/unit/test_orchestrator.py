@@ -119,7 +119,28 @@ def simulate(w: int, g: int, *, kills=(), iterations: int = 2, policy: str = "st
     sim.survivors = run_threads(world, body)
     if expect_all_fired:
         assert not world.kills, f"kills never reached: {world.kills}"
+    else:
+        assert_unfired_unreachable(world)
     return sim
+
+
+def unreachable(world: FakeWorld, kills) -> list:
+    """The kills of `kills` whose victim never reached the planned position: in that iteration
+    it made fewer calls of that kind (computed fewer microbatches) than the kill's index + 1."""
+    return [k for k in kills
+            if world.reached.get((k.replica, k.iteration, k.at), 0) <= k.index]
+
+
+def assert_unfired_unreachable(world: FakeWorld) -> None:
+    """Every planned kill either fired, or provably could not: its victim lived through the
+    whole run (no other kill took it) and never reached the planned call/position. A kill that
+    was reached but did not fire fails here."""
+    planned = world.fired + world.kills
+    assert sorted(map(repr, world.kills)) == sorted(map(repr, unreachable(world, planned))), (
+        f"unfired {world.kills}, unreachable {unreachable(world, planned)}, "
+        f"reached {world.reached}")
+    for k in world.kills:
+        assert k.replica in world.alive, (k, "victim died, yet its kill did not fire")
 
 
 def expected_grad(ids: dict, divisor: int) -> torch.Tensor:
@@ -641,8 +662,12 @@ def _random_schedule(seed: int):
         phase = "before"
         if at == "allreduce":
             phase = rnd.choice(["before", "before", "data", "record"])
-        kills.append(Kill(v, rnd.randint(0, 2), at, rnd.randint(0, 7 if at != "consensus" else 2),
-                          phase=phase))
+        # mostly positions of a clean first pass (g microbatches, allreduce #0-#3, consensus
+        # #0), sometimes beyond it (reached only when an EXTEND pass runs in that iteration)
+        far = rnd.random() < 0.3
+        hi = {"compute": 7 if far else g - 1, "allreduce": 7 if far else 3,
+              "consensus": 2 if far else 0}[at]
+        kills.append(Kill(v, rnd.randint(0, 2), at, rnd.randint(0, hi), phase=phase))
     return w, g, prefail, kills, rnd.random() < 0.3
 
 
@@ -653,6 +678,20 @@ def test_random_kill_schedules(seed):
                    expect_all_fired=False)
     for it in range(3):
         check(sim, it, B=w * g)
+    # every planned kill fired, except exactly those whose victim (alive to the end) never
+    # reached the planned call: e.g. allreduce #5 of an iteration with no EXTEND pass (4
+    # buckets: #0-#3), a microbatch position past the victim's policy.steps()
+    world = sim.world
+    fired, unfired = set(map(repr, world.fired)), set(map(repr, world.kills))
+    assert fired | unfired == set(map(repr, kills)) and not fired & unfired
+    assert unfired == set(map(repr, unreachable(world, kills))), (world.kills, world.reached)
+    assert all(k.replica not in world.alive for k in world.fired)
+    assert all(k.replica in world.alive for k in world.kills)
+    # a victim alive at an iteration's start computes microbatch positions 0..g-1 and enters
+    # consensus #0 whatever else happens: those kills must have fired
+    sure = {repr(k) for k in kills if (k.at == "compute" and k.index < g)
+            or (k.at == "consensus" and k.index == 0)}
+    assert sure <= fired, (sure - fired, world.reached)
 
 
 # ---- the per-bucket membership record (verify's one-membership check) -----------------------

@@ -4,6 +4,7 @@ bounded (an unreachable hub costs seconds, not the ~30 s of `datasets` retries p
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -54,10 +55,12 @@ def test_probe_is_bounded_and_sees_a_listener(monkeypatch):
     # a name resolution that never answers (socket timeouts do not bound it): the bound ends it
     import recover_hsdp.data.preflight as pf
 
-    monkeypatch.setattr(pf.socket, "create_connection", lambda *a, **k: time.sleep(30))
+    never = threading.Event()          # the answer that never comes (set at the end)
+    monkeypatch.setattr(pf.socket, "create_connection", lambda *a, **k: never.wait())
     t0 = time.monotonic()
     assert "no answer within 0.3 s" in probe("hub.invalid", 443, 0.3)
     assert time.monotonic() - t0 < 1.5
+    never.set()
     monkeypatch.undo()
     # 0 skips the probe (a site that knows its hub answers)
     check_hub(DataConfig(source="hf"), {"HF_ENDPOINT": "http://127.0.0.1:9",

@@ -18,6 +18,7 @@ import pytest
 
 from recover_hsdp.faults.failstop import HangWatchdog
 from recover_hsdp.faults.reaper import alive
+from tests._wait import Deadline, until, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
@@ -25,15 +26,16 @@ import os, sys, time
 from recover_hsdp.faults import failstop
 run_dir, g, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 failstop.start_heartbeat(run_dir, g, 0.05)
-t0 = time.time()
+leave = os.path.join(run_dir, "leave.rank%d" % g)
 while True:
     if mode == "tick":
         failstop.tick()
-    if mode == "clean" and time.time() - t0 > 0.4:
+    if mode == "clean" and os.path.exists(leave):   # leaves when the test says so
         failstop.mark_done()
         os._exit(0)
-    time.sleep(0.02)
+    time.sleep(0.02)        # the child's own pace (busy or idle); no order depends on it
 """
+BEAT_S = 0.05   # the children's heartbeat period
 
 
 def _spawn(run_dir: Path, g: int, mode: str) -> subprocess.Popen:
@@ -41,13 +43,23 @@ def _spawn(run_dir: Path, g: int, mode: str) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
-def _wait_beats(run_dir: Path, ranks, timeout: float = 30.0) -> None:
-    t = time.time()
-    while time.time() - t < timeout:
-        if all((run_dir / "ranks" / f"rank{g}.json").exists() for g in ranks):
-            return
-        time.sleep(0.05)
-    raise AssertionError("children did not start beating")
+def _wait_beats(run_dir: Path, procs: dict, dl) -> None:
+    until(lambda: all((run_dir / "ranks" / f"rank{g}.json").exists() for g in procs), dl,
+          "every child's first heartbeat",
+          alive=lambda: all(p.poll() is None for p in procs.values()))
+
+
+def _progress(run_dir: Path, g: int) -> int | None:
+    try:
+        return int(json.loads((run_dir / "ranks" / f"rank{g}.json").read_text())["progress"])
+    except (OSError, ValueError, KeyError):
+        return None     # mid-rewrite: read again
+
+
+def _bound(wd: HangWatchdog, grace_s: float) -> float:
+    """One bound for a verdict: the grace, two heartbeat periods, two polls and the watchdog's
+    stall grace (2 polls + 0.5 s), with 3x slack."""
+    return 3 * (grace_s + 2 * BEAT_S + 4 * wd.period_s + 0.5)
 
 
 @pytest.mark.timeout(120)
@@ -57,9 +69,10 @@ def test_reaper_kills_only_the_still_mates_of_an_unclean_death(tmp_path):
     # (spared). Block 3: rank 6 is a stale heartbeat of an earlier run (dead pid, never seen
     # alive), rank 7 idles (spared).
     modes = {0: "idle", 1: "clean", 2: "idle", 3: "idle", 4: "tick", 5: "idle", 7: "idle"}
+    dl = Deadline(100)
     procs = {g: _spawn(tmp_path, g, m) for g, m in modes.items()}
     try:
-        _wait_beats(tmp_path, modes)
+        _wait_beats(tmp_path, procs, dl.sub(60))
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         (tmp_path / "ranks" / "rank6.json").write_text(json.dumps(
@@ -69,18 +82,31 @@ def test_reaper_kills_only_the_still_mates_of_an_unclean_death(tmp_path):
                           log=lambda s: None)
         wd.timeout_s = 1e9          # only the reaper judges here (the heartbeats are fresh)
         assert wd.poll() == []      # every child seen alive
-        procs[2].send_signal(signal.SIGKILL)
+        (tmp_path / "leave.rank1").write_text("")       # rank 1 leaves cleanly ...
+        wait_dead(procs[1].pid, dl.sub(30), "rank 1 leaving cleanly")
+        procs[2].send_signal(signal.SIGKILL)             # ... then 2 and 5 die uncleanly
         procs[5].send_signal(signal.SIGKILL)
-        procs[2].wait(), procs[5].wait()
-        reaped, t0 = [], time.time()
-        while time.time() - t0 < 3.0:
-            reaped += wd.poll()
-            time.sleep(0.05)
+        procs[2].wait(timeout=dl.left()), procs[5].wait(timeout=dl.left())
+        # each poll is taken only once the ticking mate's heartbeat moved since the last one:
+        # it progresses between any two polls by construction, on any box (the grace is no
+        # deadline it must meet)
+        last = [_progress(tmp_path, 4)]
+
+        def poll_after_rank4_moved() -> list[int]:
+            until(lambda: _progress(tmp_path, 4) not in (None, last[0]), dl.sub(30),
+                  "rank 4's heartbeat moving", alive=lambda: procs[4].poll() is None)
+            last[0] = _progress(tmp_path, 4)
+            return wd.poll()
+
+        reaped: list[int] = []
+        until(lambda: reaped.extend(poll_after_rank4_moved()) or 3 in reaped,
+              dl.sub(_bound(wd, 1.0)), "rank 3 reaped")
+        reaped += poll_after_rank4_moved()    # block 2's grace ran out with block 1's
         assert reaped == [3], reaped
-        assert procs[3].wait(timeout=10) == -signal.SIGKILL
+        assert procs[3].wait(timeout=dl.left()) == -signal.SIGKILL
         rec = json.loads((tmp_path / "faults" / "reaped.rank3.json").read_text())
         assert rec["mate"] == 2 and "rank 2" in rec["reason"]
-        assert procs[1].wait(timeout=10) == 0                   # left cleanly
+        assert procs[1].wait(timeout=dl.left()) == 0            # left cleanly
         hb1 = json.loads((tmp_path / "ranks" / "rank1.json").read_text())
         assert hb1["done"] is True
         for g in (0, 4, 7):
@@ -97,16 +123,17 @@ def test_reaper_kills_only_the_still_mates_of_an_unclean_death(tmp_path):
 def test_mate_of_a_rank_judged_hung_is_reaped_too(tmp_path):
     """A SIGSTOPped rank is SIGKILLed by the watchdog (hung); its idle mate (on NCCL: waiting on
     it in a collective) is reaped one grace later."""
+    dl = Deadline(100)
     procs = {g: _spawn(tmp_path, g, "idle") for g in (0, 1)}
     try:
-        _wait_beats(tmp_path, procs)
+        _wait_beats(tmp_path, procs, dl.sub(60))
         wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, shard_size=2, log=lambda s: None)
         assert wd.poll() == []
         procs[0].send_signal(signal.SIGSTOP)
-        out, t0 = [], time.time()
-        while time.time() - t0 < 4.0 and len(out) < 2:
-            out += wd.poll()
-            time.sleep(0.05)
+        out: list[int] = []
+        # the hung verdict, then the reap one grace later: two detector bounds
+        until(lambda: out.extend(wd.poll()) or len(out) >= 2, dl.sub(2 * _bound(wd, 0.5)),
+              "rank 0 judged hung and rank 1 reaped")
         assert out == [0, 1], out
         assert (tmp_path / "faults" / "hung.rank0.json").exists()
         assert json.loads((tmp_path / "faults" / "reaped.rank1.json").read_text())["mate"] == 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from recover_hsdp.recovery import Content, Rewinder, SnapshotStore
+from tests import _procs
 
 
 def test_one_buffer_per_bucket_reused_and_snapshot_taken_once_per_content():
@@ -72,4 +73,4 @@ def test_recovery_layer_does_not_load_the_collectives_extension():
             "bad = [m for m in sys.modules if m == 'recover_hsdp._C' or "
             "m.startswith('recover_hsdp.collectives.group') or m == 'mpi4py']\n"
             "assert not bad, bad\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    _procs.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.tools import report
+from tests import _procs
 from tests.unit._runs import cr_run, reference_run, resilient_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,8 +109,8 @@ def test_report_user_errors_one_line_exit_2(runs, tmp_path, capsys, args, match)
 
 def test_cli_dispatch_errors_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "report", str(tmp_path / "x")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    p = _procs.run([sys.executable, "-m", "recover_hsdp.cli", "report", str(tmp_path / "x")],
+                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().count("\n") == 0 and "no such directory" in p.stderr
     assert "Traceback" not in p.stderr

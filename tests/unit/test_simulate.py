@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests import _procs
+
 import recover_hsdp
 from recover_hsdp.policy import StaticWorldPolicy, plan
 from recover_hsdp.tools import simulate as cli
@@ -47,8 +49,8 @@ def test_sim_imports_no_torch_nor_lower_layers():
     code = ("import sys, recover_hsdp.tools.simulate, recover_hsdp.sim.calibrate; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib') or "
             "m.startswith(('recover_hsdp.hsdp', 'recover_hsdp.recovery'))]; print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT.parent)
+    out = _procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                     cwd=ROOT.parent)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 

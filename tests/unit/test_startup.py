@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import socket
 import subprocess
 import sys
@@ -15,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests import _procs
+
 from recover_hsdp.faults.startup import (ENV_STARTUP_FAULT, PHASES, StartupWatch,
                                          clear_startup_state, mark_phase, startup_bound_s)
+from recover_hsdp.faults.startup import _cpu_ticks
+from tests._wait import Deadline, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,6 +112,11 @@ def test_slow_start_that_makes_progress_is_not_cut_off(tmp_path, monkeypatch, id
     assert w2.poll(now=500.0) is None and w2.formed
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_rank_burning_cpu_is_progress_a_stopped_one_is_not(tmp_path):
     """Importing torch took > 65 s per rank at load average 23 (no marker changes meanwhile):
     a local rank whose CPU time grows is starting; SIGSTOPped, it is judged one bound later."""
@@ -118,14 +126,16 @@ def test_a_rank_burning_cpu_is_progress_a_stopped_one_is_not(tmp_path):
         _mark(tmp_path, 0, busy.pid)
         assert w.poll(now=1.0) is None
         t = 1.0
+        dl = Deadline(60)
         for _ in range(4):                                 # 4 x 20 s of "import", no marker
-            time.sleep(0.5)                                # the busy rank burns CPU meanwhile
+            # the busy rank burned CPU since the last poll (the event itself, not a sleep)
+            seen = _cpu_ticks(busy.pid)
+            until(lambda: _cpu_ticks(busy.pid) > seen, dl, "the busy rank's CPU time growing")
             t += 20.0
             assert w.poll(now=t) is None
         os.kill(busy.pid, signal.SIGSTOP)
-        time.sleep(0.1)
+        until(lambda: _state(busy.pid) == "T", dl, "the busy rank stopped")  # CPU time final
         assert w.poll(now=t + 1.0) is None                 # last CPU growth seen up to here
-        time.sleep(0.3)
         assert w.poll(now=t + 20.0) is None
         why = w.poll(now=t + 32.0)
         assert why is not None and why.startswith("no start-up progress for 30 s"), why
@@ -138,15 +148,15 @@ def test_seam_kills_the_chosen_rank_on_the_first_launch_only(tmp_path):
     code = "from recover_hsdp.faults.startup import mark_start; mark_start(); print('went on')"
     env = dict(os.environ, PYTHONPATH=str(ROOT), RECOVER_HSDP_RUN_DIR=str(tmp_path),
                OMPI_COMM_WORLD_RANK="1", **{ENV_STARTUP_FAULT: "1"})
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=60)
+    first = _procs.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60)
     assert first.returncode == -9 and "went on" not in first.stdout
     assert json.loads((tmp_path / "ranks" / "start.rank1.json").read_text())["rank"] == 1
-    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=60)
+    again = _procs.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60)
     assert again.returncode == 0 and "went on" in again.stdout
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**env, "OMPI_COMM_WORLD_RANK": "0",
-                                ENV_STARTUP_FAULT: "0:exit",
-                                "RECOVER_HSDP_RUN_DIR": str(tmp_path / "b")}, timeout=60)
+    other = _procs.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**env, "OMPI_COMM_WORLD_RANK": "0",
+                            ENV_STARTUP_FAULT: "0:exit",
+                            "RECOVER_HSDP_RUN_DIR": str(tmp_path / "b")}, timeout=60)
     assert other.returncode == 1

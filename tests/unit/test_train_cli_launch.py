@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tests._procs import current_deadline, run
+
+from recover_hsdp.launch import STOP_GRACE_S
+from tests._wait import Deadline, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -84,10 +88,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _train(args: list[str], tmp_path: Path, timeout: float = 120, **extra: str):
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "train", *args],
-                          cwd=tmp_path, env=_env(**extra), capture_output=True, text=True,
-                          timeout=timeout)
+def _train(args: list[str], tmp_path: Path, **extra: str):
+    return run([sys.executable, "-m", "recover_hsdp.cli", "train", *args],
+               cwd=tmp_path, env=_env(**extra), capture_output=True, text=True,
+               timeout=min(120, current_deadline().left()))
 
 
 def test_single_run_ok_store_and_summary(tmp_path):
@@ -155,7 +159,9 @@ def test_ctrl_c_stops_mpirun_and_every_rank(tmp_path):
     assert ranks, out
     assert proc.returncode == 130, out
     assert "INTERRUPTED" in out
-    deadline = time.monotonic() + 5
-    while _alive(ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # the launcher returned 130 after stopping the job; each rank's death itself (pidfd), one
+    # bound: 3x the launcher's stop grace (SIGTERM, then SIGKILL after STOP_GRACE_S)
+    dl = Deadline(3 * STOP_GRACE_S)
+    for pid in ranks:
+        wait_dead(pid, dl, "a fake rank after the Ctrl-C")
     assert _alive(ranks) == [], "ranks left running"

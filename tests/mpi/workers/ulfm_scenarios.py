@@ -31,7 +31,7 @@ from recover_hsdp.collectives import (  # noqa: E402
 from recover_hsdp.types import Role  # noqa: E402
 
 ME = world_rank()
-KILL_POINTS = ("detect", "record", "data", "data_async")
+KILL_POINTS = ("detect", "record", "data", "data_async", "data_mid")
 
 
 def value(n: int = 8, dtype=torch.float32) -> torch.Tensor:
@@ -170,7 +170,8 @@ def s_basic(args: dict) -> dict:
 def run_stage(g: UlfmGroup, st: dict, idx: int) -> dict:
     """One failure stage on group g. st["victims"]: {world rank: point}; point is before (dies
     before the call), detect/record/data/data_async (dies inside the call at that protocol
-    point), or after (dies once every peer has returned from the call). The call is an allreduce
+    point), data_mid (with st["split"] = k > 1: dies between the first and the second of the k
+    MPI calls the transfer is split into, i.e. inside the transfer), or after (dies once every peer has returned from the call). The call is an allreduce
     of `numel` float32 (op=allreduce) or a consensus. Then the gate consensus and an exact
     all-reduce; a pg built before a repair must refuse, the rebuilt one must work."""
     victims = {int(k): v for k, v in st.get("victims", {}).items()}
@@ -183,6 +184,9 @@ def run_stage(g: UlfmGroup, st: dict, idx: int) -> dict:
     epoch_before = g.epoch
     old_pg = g.pg
     point = victims.get(ME)
+    split = int(st.get("split", 1))     # data_mid: every member splits the transfer alike
+    if split > 1:
+        g._debug_split_data(split)
     arm(g, point, int(st.get("delay_us", 0)))
     op = st.get("op", "allreduce")
     t = value(int(st.get("numel", 8)))
@@ -200,6 +204,8 @@ def run_stage(g: UlfmGroup, st: dict, idx: int) -> dict:
     else:
         first = g.consensus()
     first_s = time.perf_counter() - t0
+    if split > 1:
+        g._debug_split_data(1)
     if point == "after":
         wait_marks(f"stage{idx}", [r for r in members_before if r not in victims])
         die()

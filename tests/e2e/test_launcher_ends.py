@@ -1,0 +1,70 @@
+"""A stopped mpirun daemon must not hang a finished run (issue 25): the ranks commit every step
+and exit, mpirun (prterun, SIGSTOPped while the test gate held the job) never returns; the
+launcher stops it END_GRACE_S after the last rank ended and judges the run from its record."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recover_hsdp.record import read_run
+from tests._gate import TestGate
+from tests._wait import Deadline
+from tests.e2e._launch import REPO
+from tests.e2e.test_failstop import SMALL
+
+pytestmark = [pytest.mark.mpi]
+
+
+def _mpirun_of(pid: int) -> int:
+    kids: dict[int, list[int]] = {}
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parts = st.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(parts[1]), []).append(int(st.parent.name))
+    todo = [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            try:
+                comm = Path(f"/proc/{k}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm in ("mpirun", "prterun"):
+                return k
+            todo.append(k)
+    raise AssertionError(f"no mpirun under pid {pid}")
+
+
+@pytest.mark.timeout(300)
+def test_stopped_mpirun_after_the_ranks_finished_is_stopped_and_the_run_judged_ok(tmp_path):
+    dl = Deadline(270)
+    W, steps, at = 3, 8, 4
+    out = tmp_path / "run"
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200)
+    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
+    e.pop("OMPI_COMM_WORLD_RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
+                          f"parallel.replicas={W}", f"run.steps={steps}",
+                          f"run.output_dir={out}", *SMALL],
+                         cwd=tmp_path, env=e, start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
+                       detail=lambda: p.stdout.read()[-4000:])
+        os.kill(_mpirun_of(p.pid), signal.SIGSTOP)
+        gate.release(at)
+        text, _ = p.communicate(timeout=dl.left())
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 0, text[-4000:]
+    assert f"all {W} ranks have ended, but mpirun is still running" in text, text[-4000:]
+    rec = read_run(out)
+    assert rec.committed == list(range(steps)) and rec.summary["replicas_alive"] == [0, 1, 2]
