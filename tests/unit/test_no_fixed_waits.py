@@ -26,6 +26,9 @@ ALLOWED = {
     ("unit/test_record_crash.py", "test_sigkill_mid_run_loses_no_completed_step"):
         "a random 0-5 ms jitter so the SIGKILL lands anywhere in a write: every moment must "
         "pass, no order is decided",
+    ("e2e/test_two_nodes.py", "test_kills_at_random_moments_on_both_nodes"):
+        "a random fraction of a step after a commit: only PLACES a kill at a random moment "
+        "(a chaos test); the test gate holds the last step until every kill landed",
     ("unit/test_issue24_heartbeat.py", "dumps"):
         "holds the heartbeat thread inside a write until the test releases it (the Event "
         "decides; 1 s is only the bound if the test never does)",
