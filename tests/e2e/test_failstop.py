@@ -123,6 +123,25 @@ def _pids(run_dir: Path) -> dict[int, int]:
     return out
 
 
+def stop_while_held(p: subprocess.Popen, gate: TestGate, at: int, out: Path, victim: int,
+                    dl: Deadline) -> tuple[str, float]:
+    """Wait until the job stands at the gate before step ``at``, SIGSTOP global rank ``victim``
+    there (the run cannot have ended), release, and run the job to its end within ``dl``.
+    Returns (output, the time of the SIGSTOP)."""
+    try:
+        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
+                       detail=lambda: p.stdout.read()[-4000:])
+        os.kill(_pids(out)[victim], signal.SIGSTOP)
+        t_stop = time.time()
+        gate.release(at)
+        stdout, _ = p.communicate(timeout=dl.left())
+    finally:
+        if p.poll() is None:
+            kill_tree(p)                      # its session AND the ranks (mpirun's own)
+            p.communicate()
+    return stdout, t_stop
+
+
 #: the SIGSTOP tests' detector: a rank is judged hung when its heartbeat is this old
 STOP_HANG_S, STOP_BEAT_S = 3.0, 0.5
 
@@ -149,18 +168,7 @@ def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
                           f"run.hang_timeout_s={STOP_HANG_S:g}", f"run.heartbeat_s={STOP_BEAT_S:g}",
                           *SMALL], cwd=tmp_path, env=e, start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
-                       detail=lambda: p.stdout.read()[-4000:])
-        pid = _pids(out)[victim]
-        os.kill(pid, signal.SIGSTOP)                # held: the run cannot have ended
-        t_stop = time.time()
-        gate.release(at)
-        stdout, _ = p.communicate(timeout=dl.left())
-    finally:
-        if p.poll() is None:
-            kill_tree(p)                      # its session AND the ranks (mpirun's own)
-            p.communicate()
+    stdout, t_stop = stop_while_held(p, gate, at, out, victim, dl)
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
     # one bound for the detector, from its config with 3x slack: timeout + a beat + a poll

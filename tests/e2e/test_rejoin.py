@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from recover_hsdp.record import load_params, param_copies, read_run
-from tests._procs import current_deadline, kill_tree
+from tests._procs import current_deadline
 from tests.e2e._launch import run_training
 from tests.e2e.test_hsdp_kills import K, _cfg, _verify
 
@@ -138,16 +138,14 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
     shrinks. Every step commits on both replicas, the loss is no replica failure, the standby is
     reported lost (the step's extra.standbys_lost, the summary), verify OK."""
     import os
-    import signal
     import subprocess
     import sys
-    import time
 
     from recover_hsdp.faults.failstop import WATCH_POLL_S
     from tests._gate import TestGate
     from tests._wait import Deadline
     from tests.e2e._launch import REPO
-    from tests.e2e.test_failstop import SMALL, STOP_BEAT_S, STOP_HANG_S, _pids
+    from tests.e2e.test_failstop import SMALL, STOP_BEAT_S, STOP_HANG_S, stop_while_held
 
     dl = Deadline(370)
     out, steps, victim = tmp_path / "run", 8, 2        # W=2: ranks 0, 1; the standby is rank 2
@@ -164,17 +162,7 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
                           "run.startup_timeout_s=240",
                           *SMALL], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
-                       detail=lambda: p.stdout.read()[-4000:])
-        os.kill(_pids(out)[victim], signal.SIGSTOP)   # the job is held: it cannot have ended
-        t_stop = time.time()
-        gate.release(at)
-        stdout, _ = p.communicate(timeout=dl.left())
-    finally:
-        if p.poll() is None:
-            kill_tree(p)                      # its session AND the ranks (mpirun's own)
-            p.communicate()
+    stdout, t_stop = stop_while_held(p, gate, at, out, victim, dl)
     assert p.returncode == 0, stdout[-4000:]
     hung = json.loads((out / "faults" / f"hung.rank{victim}.json").read_text())
     # the replica's bound (test_failstop): 3 x (hang_timeout_s + heartbeat_s + poll)
