@@ -105,12 +105,15 @@ def job_command(job: Job, config_path: Path, env: dict[str, str]) -> list[str]:
 def job_env(job: Job, store: str) -> dict[str, str]:
     from recover_hsdp.launch import rank_env
 
-    from recover_hsdp.faults.failstop import ENV_HB_PERIOD, ENV_RUN_DIR
+    import uuid
+
+    from recover_hsdp.faults.failstop import ENV_HB_PERIOD, ENV_LAUNCH_ID, ENV_RUN_DIR
 
     run = job.cfg.run
     env = rank_env(store, omp_num_threads=int(run.omp_num_threads),
                    shard_timeout_s=float(run.shard_timeout_s))
     env[ENV_RUN_DIR] = str(job.run_dir.resolve())  # errors/ and ranks/ (heartbeats) go here
+    env[ENV_LAUNCH_ID] = uuid.uuid4().hex[:12]     # this launch's heartbeats (startup.EndWatch)
     if run.get("hang_timeout_s"):
         env[ENV_HB_PERIOD] = repr(float(run.heartbeat_s))
     return env

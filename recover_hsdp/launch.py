@@ -106,7 +106,7 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
              "RECOVER_HSDP_RUN_DIR", "RECOVER_HSDP_HEARTBEAT_S", "RECOVER_HSDP_RAISE_ON_SIGUSR1",
              "RECOVER_HSDP_STARTUP_FAULT", "RECOVER_HSDP_TEST_FAULT",
              "RECOVER_HSDP_ALLOW_TEST_FAULT", "RECOVER_HSDP_TEST_SHARD_WEDGE_S",
-             "RECOVER_HSDP_TEST_GATE", "RECOVER_HSDP_CORE_DUMPS",
+             "RECOVER_HSDP_TEST_GATE", "RECOVER_HSDP_CORE_DUMPS", "RECOVER_HSDP_LAUNCH_ID",
              "RECOVER_HSDP_TEST_ID"]   # the test suite's tag: a leaked rank is found by it
     return [n for n in names if n in env]
 

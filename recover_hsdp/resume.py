@@ -202,11 +202,14 @@ def _watchers(cfg, run_dir: Path):
     return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
 
 
-def end_watch(cfg, run_dir: Path):
-    """Stops an mpirun that outlives every one of its ranks (faults/startup.EndWatch)."""
+def end_watch(cfg, run_dir: Path, env: dict):
+    """Stops an mpirun that outlives every one of its ranks (faults/startup.EndWatch); only the
+    heartbeats of this launch (``env``'s launch id) count."""
+    from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
     from recover_hsdp.faults.startup import EndWatch
 
-    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s))
+    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s),
+                    launch_id=env.get(ENV_LAUNCH_ID))
 
 
 def _rejoin_left(cfg, used: int) -> bool:
@@ -305,7 +308,7 @@ def run_resilient(job) -> JobResult:
                 limit = (None if cfg.run.time_limit_s is None else
                          max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
                 watchdog, start_w = _watchers(cfg, run_dir)   # issue 12: hangs, start-up
-                end_w = end_watch(cfg, run_dir) if start_w else None
+                end_w = end_watch(cfg, run_dir, env) if start_w else None
                 th = threading.Thread(target=lambda: box.update(out=run_job(
                     cmd, env, log_path=ldir / "output.log", time_limit_s=limit,
                     watch=start_w.poll if start_w else None,

@@ -267,7 +267,7 @@ def launch_job(job: Job) -> JobResult:
                 try:
                     from recover_hsdp.resume import end_watch
 
-                    end = end_watch(job.cfg, run_dir) if watchdog else None
+                    end = end_watch(job.cfg, run_dir, env) if watchdog else None
                     outcome = run_job(cmd, env, log_path=ldir / "output.log",
                                       time_limit_s=job.cfg.run.time_limit_s,
                                       watch=start.poll if start else None,

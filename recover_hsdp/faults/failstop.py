@@ -41,8 +41,8 @@ ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
 ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
 ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
-#: test/chaos seam: "1" makes SIGUSR1 raise InjectedFault in the rank's main thread
-ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"
+ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (jobs.job_env): heartbeats name it
+ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"   # chaos: SIGUSR1 -> InjectedFault
 
 
 class InjectedFault(RuntimeError):
@@ -269,8 +269,9 @@ class Heartbeat:
     def beat(self) -> None:
         with self._lock:    # the record is read and written whole: a later beat has a later state
             rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                   "time": time.time(), "progress": self.progress, "phase": self.phase,
-                   "phase_until": self.phase_until, "period_s": self.period_s, "done": self.done}
+                   "time": time.time(), "progress": self.progress, "phase": self.phase, "done":
+                   self.done, "phase_until": self.phase_until, "period_s": self.period_s,
+                   "launch": os.environ.get(ENV_LAUNCH_ID)}
             tmp = self.path.with_name(self.path.name + ".tmp")
             try:
                 tmp.write_text(json.dumps(rec))

@@ -214,10 +214,13 @@ class EndWatch:
     returns the one line to stop mpirun with; the run is then judged from its record as usual.
 
     A rank on another host counts as ended when its heartbeat says done, or is older than
-    ``stale_s`` (its node or daemon is gone; the hang watchdog judges live ones)."""
+    ``stale_s`` (its node or daemon is gone; the hang watchdog judges live ones). With
+    ``launch_id``, only heartbeats of that launch count (a previous segment's rank that beat
+    once more after the relaunch cleared ranks/ is not this job's)."""
 
     def __init__(self, run_dir: os.PathLike | str, world_size: int,
-                 stale_s: float, grace_s: float = END_GRACE_S):
+                 stale_s: float, grace_s: float = END_GRACE_S, launch_id: Optional[str] = None):
+        self.launch_id = launch_id
         self.run_dir = Path(run_dir)
         self.world_size = int(world_size)
         self.stale_s = float(stale_s)
@@ -238,10 +241,13 @@ class EndWatch:
         hbs = []
         for g in range(self.world_size):
             try:
-                hbs.append(json.loads((d / f"rank{g}.json").read_text()))
+                hb = json.loads((d / f"rank{g}.json").read_text())
             except (OSError, ValueError):
-                self._since = None       # not every rank joined (or one is being rewritten)
+                hb = None
+            if hb is None or (self.launch_id and hb.get("launch") != self.launch_id):
+                self._since = None       # not every rank of this launch joined (or rewriting)
                 return None
+            hbs.append(hb)
         if not all(self._ended(hb, now) for hb in hbs):
             self._since = None
             return None

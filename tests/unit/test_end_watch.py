@@ -53,3 +53,16 @@ def test_remote_ranks_by_done_or_a_stale_heartbeat(tmp_path):
     w = EndWatch(tmp_path, 2, stale_s=3, grace_s=0)
     assert w.poll(now=1002.0) is None            # fresh: running on its node
     assert w.poll(now=1004.0) is not None        # stale for > 3 s: its node is gone
+
+
+def test_only_the_heartbeats_of_this_launch_count(tmp_path):
+    """A previous segment's rank that beat once more after the relaunch cleared ranks/ (its
+    pid gone, no done mark) is not this launch's: the watch waits for this launch's ranks."""
+    _hb(tmp_path, 0, _dead_pid())
+    w = EndWatch(tmp_path, 1, stale_s=3, grace_s=0, launch_id="new")
+    assert w.poll(now=1000.0) is None                   # no launch id: an older launch's
+    hb = json.loads((tmp_path / "ranks" / "rank0.json").read_text())
+    (tmp_path / "ranks" / "rank0.json").write_text(json.dumps({**hb, "launch": "old"}))
+    assert w.poll(now=1000.0) is None
+    (tmp_path / "ranks" / "rank0.json").write_text(json.dumps({**hb, "launch": "new"}))
+    assert w.poll(now=1000.0) is not None

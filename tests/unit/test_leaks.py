@@ -58,6 +58,7 @@ def _inner(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dic
     pids.mkdir()
     env = dict(os.environ, PIDS=str(pids), PYTHONPATH=str(REPO))
     env.pop(ENV_TEST_ID, None)
+    env.pop("PYTEST_ADDOPTS", None)     # the outer run's options (e.g. --basetemp) are not ours
     p = run([sys.executable, "-m", "pytest", "-p", "tests._procs", "-p", "no:cacheprovider",
              "-rA", "--rootdir", str(tmp_path / "t"), "-c", os.devnull, *args,
              str(tmp_path / "t" / "test_leaky.py")],
