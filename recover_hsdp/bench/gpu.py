@@ -24,30 +24,36 @@ returns what finished), then one table:
 
 On a machine without CUDA (or with ``--cpu``) every section runs with small shapes (llama_debug,
 seq 32) so CI keeps the command alive; ``--quick`` shrinks section 1 to one kill on 2 replicas.
-Time box: ``--budget-s`` (default 480 s): a section that would start past it is skipped.
+Time (bench/gpu_plan.py): ``--budget-s`` (default 360 s, counted from the start of
+launch/bench_gpu.sh) is a hard deadline: the plan cuts steps, then defers sections, to fit it;
+every child gets at most the time left (and its section at most 180 s); what runs past is
+killed with its whole tree and recorded as killed. ``--plan`` prints the plan and exits (1 when
+it does not fit). The default sections are 1-5; section 7 waits for a later window.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from recover_hsdp.bench import gpu_plan as P
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.gpu_report import (staged_allreduce_s, table,  # noqa: F401
-                                            w2_overhead)
+from recover_hsdp.bench.gpu_report import (device_info, model_flops_per_token,
+                                            staged_allreduce_s, table, w2_overhead)
 
 REPO = H.REPO
-#: dense bf16 peak FLOP/s by device name substring (the MFU denominator)
-PEAK_BF16 = (("H200", 989.4e12), ("H100", 989.4e12), ("A100", 312e12), ("L40S", 362e12),
-             ("A10", 125e12))
-_T0 = time.perf_counter()
+_T0 = P.start_time()
+
+
+class Deadline(Exception):
+    """The bench's time (or its section's) ran out: the section is recorded as killed."""
 
 
 def _log(msg: str) -> None:
@@ -59,12 +65,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="small CPU shapes even if CUDA is present")
     p.add_argument("--quick", action="store_true",
                    help="section 1 as one kill on 2 replicas (the CI shape)")
-    p.add_argument("--sections", default="1,2,3,4,5,7",
-                   help="comma-separated subset of 1-5 and 7 (6 is derived)")
+    p.add_argument("--sections", default=P.DEFAULT_SECTIONS,
+                   help=f"comma-separated subset of 1-5 and 7 (6 is derived; default "
+                        f"{P.DEFAULT_SECTIONS})")
     p.add_argument("--out", default=None, help="result folder (default runs/bench_gpu/<time>)")
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="no section starts after this many seconds (default 480)")
-    p.add_argument("--steps", type=int, default=None, help="steps of the 1B runs (default 6)")
+    p.add_argument("--budget-s", type=float, default=P.DEFAULT_BUDGET_S,
+                   help="hard deadline in s from the start of launch/bench_gpu.sh (default "
+                        f"{P.DEFAULT_BUDGET_S:.0f}): what runs past it is killed")
+    p.add_argument("--plan", action="store_true",
+                   help="print each section's estimate, its source and the total; exit 1 when "
+                        "over --budget-s")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="plan for this many GPUs (default: those visible, 1 without CUDA)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of the 1B runs, never cut by the plan (default: planned)")
     p.add_argument("--staging-mb", type=float, default=None,
                    help="bucket size of section 4 (default 256 MB on GPU, 8 MB on CPU)")
     p.add_argument("--staging-worker", action="store_true", help=argparse.SUPPRESS)
@@ -74,26 +88,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-def _run(cmd: Sequence[str], log: Path, timeout: float) -> tuple[int, float]:
-    """Run cmd (own session, output to log); (exit code, wall s). Killed whole at the timeout."""
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
-    return H.run_logged(cmd, log, max(1.0, timeout), env=H.child_env(threads))
-
-
 def _tail(log: Path, n: int = 3) -> str:
     return " | ".join(H.tail(log, n + 3).strip().splitlines()[-n:])[-600:]
-
-
-def train(run_dir: Path, overrides: Sequence[str], timeout: float) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", *overrides,
-           f"run.output_dir={run_dir}", "run.overwrite=true", "run.log_every=1",
-           f"run.time_limit_s={max(5.0, timeout - 10):.0f}"]
-    return _run(cmd, run_dir.parent / f"{run_dir.name}.log", timeout)
-
-
-def verify(run_dir: Path, device: str, timeout: float) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "recover_hsdp.cli", "verify", str(run_dir), "--device", device]
-    return _run(cmd, run_dir.parent / f"{run_dir.name}.verify.log", timeout)
 
 
 def steps_of(run_dir: Path, rank: int = 0) -> list[dict]:
@@ -121,43 +117,6 @@ def _peak(run_dir: Path, key: str) -> Optional[float]:
     return max(vals) if vals else None
 
 
-def model_flops_per_token(model: str, seq_len: int, vocab: int = 4096) -> tuple[float, int]:
-    """(training FLOP per token: 6 N + 12 L d T, parameter count N) from conf/model/<model>.yaml."""
-    import yaml
-
-    from recover_hsdp.config.groups import CONF_DIR
-
-    c = yaml.safe_load((CONF_DIR / "model" / f"{model}.yaml").read_text())
-    d, L, ffn = int(c["d_model"]), int(c["n_layers"]), int(c["ffn_dim"])
-    hd = d // int(c["n_heads"])
-    kv = int(c["n_kv_heads"]) * hd
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d
-    n = L * per_layer + vocab * d * (1 if c.get("tie_embeddings", True) else 2) + d
-    return 6.0 * n + 12.0 * L * d * seq_len, n
-
-
-def device_info(cpu: bool) -> dict:
-    import torch
-
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "cuda": bool(torch.cuda.is_available()) and not cpu}
-    if info["cuda"]:
-        info["gpus"] = torch.cuda.device_count()
-        info["name"] = torch.cuda.get_device_name(0)
-        info["peak_bf16_flops"] = next((v for k, v in PEAK_BF16 if k in info["name"]), None)
-    else:
-        info["gpus"] = 0
-        info["name"] = platform.processor() or "cpu"
-        info["peak_bf16_flops"] = None
-    try:
-        from recover_hsdp.collectives import cuda_aware_mpi
-
-        info["cuda_aware_mpi"] = cuda_aware_mpi()
-    except Exception:  # noqa: BLE001 - informative only
-        info["cuda_aware_mpi"] = None
-    return info
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace):
         import torch
@@ -171,6 +130,10 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.results: dict[str, dict] = {}
         self.steps = args.steps or (6 if not self.cpu else 5)
+        self.id = uuid.uuid4().hex
+        self.section_end = float("inf")
+        self.plan: dict[int, P.Planned] = {}
+        self._section = 0
         # CPU: the tiny model at a short sequence; GPU: the issue's llama_1b shape
         if self.cpu:
             # run.device=cpu: --cpu means CPU everywhere (gloo shard groups, verify on cpu) even
@@ -187,7 +150,48 @@ class Bench:
         self.big_mbs = 2 if self.cpu else 4
 
     def left(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - _T0)
+        """Seconds left: of the budget, and of the running section's cap."""
+        now = time.perf_counter()
+        return min(self.args.budget_s - (now - _T0), self.section_end - now)
+
+    def steps_of(self, n: int) -> int:
+        """The planned steps of section n (explicit --steps when given)."""
+        p = self.plan.get(n)
+        return p.steps if p is not None and self.args.steps is None else self.steps
+
+    def _run(self, cmd: Sequence[str], log: Path, cap: float,
+             env: Optional[dict] = None) -> tuple[int, float]:
+        """Run cmd (own session, output to log) for at most min(cap, time left); (exit code,
+        wall s). Past it the child is SIGKILLed with its tree (mpirun's ranks too: every process
+        carrying this bench's id); past the deadline itself this raises Deadline."""
+        t = self.left()
+        if t < 1.0:
+            raise Deadline(f"no time left to start {log.name}")
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
+        env = dict(env if env is not None else H.child_env(threads), **{P.ENV_ID: self.id})
+        try:
+            rc, wall = H.run_logged(cmd, log, min(cap, t), env=env)
+        finally:
+            P.kill_marked(self.id)
+        if rc == 124 and self.left() < 1.0:
+            raise Deadline(f"{log.name} was killed at the deadline after {wall:.0f} s")
+        return rc, wall
+
+    def train(self, run_dir: Path, overrides: Sequence[str], timeout: float) -> tuple[int, float]:
+        limit = max(5.0, min(timeout, self.left()) - 10)
+        cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", *overrides,
+               f"run.output_dir={run_dir}", "run.overwrite=true", "run.log_every=1",
+               f"run.time_limit_s={limit:.0f}"]
+        rc, wall = self._run(cmd, run_dir.parent / f"{run_dir.name}.log", timeout)
+        if rc == 3:     # jobs.py: run.time_limit_s (the time this bench gave it) stopped the job
+            raise Deadline(f"{run_dir.name} was stopped at its time limit ({limit:.0f} s, from "
+                           f"the time left to it) after {wall:.0f} s")
+        return rc, wall
+
+    def verify(self, run_dir: Path, device: str, timeout: float) -> tuple[int, float]:
+        cmd = [sys.executable, "-m", "recover_hsdp.cli", "verify", str(run_dir), "--device",
+               device]
+        return self._run(cmd, run_dir.parent / f"{run_dir.name}.verify.log", timeout)
 
     def save(self, n: int, name: str, res: dict) -> None:
         res = {"section": n, "name": name, "device": self.info, **res}
@@ -222,14 +226,14 @@ class Bench:
         return res
 
     def _verified_run(self, run: Path, ov: list) -> dict:
-        rc, wall = train(run, ov, timeout=min(self.left(), 240))
+        rc, wall = self.train(run, ov, timeout=min(self.left(), 240))
         recs = steps_of(run, 0) or next((steps_of(run, r) for r in range(1, 4)
                                          if steps_of(run, r)), [])
         res: dict[str, Any] = {"overrides": ov, "train_rc": rc, "train_wall_s": round(wall, 1),
                                "steps_committed": len(recs),
                                "failures": sum(len(r.get("failures") or []) for r in recs)}
         if rc == 0:
-            vrc, vwall = verify(run, self.dev, timeout=min(self.left() + 60, 240))
+            vrc, vwall = self.verify(run, self.dev, timeout=240)
             res.update(verify_rc=vrc, verify_wall_s=round(vwall, 1),
                        verify=_tail(run.parent / f"{run.name}.verify.log", 2))
         else:
@@ -244,8 +248,8 @@ class Bench:
         big = [o if not o.startswith("parallel.grad_accum=") else f"parallel.grad_accum={grad_accum}"
                for o in self.big]
         ov = [f"parallel.replicas={replicas}", "parallel.shard_size=1", *big,
-              f"run.steps={self.steps}", "run.save_params_every=0", *extra]
-        rc, wall = train(run, ov, timeout)
+              f"run.steps={self.steps_of(self._section)}", "run.save_params_every=0", *extra]
+        rc, wall = self.train(run, ov, timeout)
         recs = steps_of(run, 0)
         dts = commit_times(recs)
         steady = dts[1:] if len(dts) > 2 else dts      # drop step 1 (warm-up of kernels/allocs)
@@ -284,13 +288,14 @@ class Bench:
     def s3_kill(self) -> dict:
         run = self.out / "s3_kill"
         sched = self.out / "s3_kill.yaml"
-        kill_step = 3  # steps 1-2 give the normal W=2 step
+        steps = max(3, self.steps_of(3))
+        kill_step = 3 if steps >= 5 else 2   # the steps before it give the normal W=2 step
         sched.write_text(f"- {{step: {kill_step}, replica: 1, local_rank: 0, location: reduce, "
                          f"bucket: 1}}\n")
         ov = ["parallel.replicas=2", "parallel.shard_size=1", *self.big,
-              f"run.steps={max(self.steps - 1, kill_step + 2)}", "run.save_params_every=0",
+              f"run.steps={steps}", "run.save_params_every=0",
               f"failures.schedule={sched}"]
-        rc, wall = train(run, ov, timeout=min(max(30.0, self.left()), 240))
+        rc, wall = self.train(run, ov, timeout=min(max(30.0, self.left()), 240))
         recs = steps_of(run, 0)
         res: dict[str, Any] = {"overrides": ov, "rc": rc, "wall_s": round(wall, 1),
                                "steps": len(recs), "commit_to_commit_s": commit_times(recs)}
@@ -324,7 +329,7 @@ class Bench:
                                    "--out", str(out)] + (["--cpu"] if self.cpu else [])
         env = mpi_env({}, pythonpath=str(REPO))
         log = self.out / "s4_staging.log"
-        rc, _ = H.run_logged(cmd, log, max(10.0, min(self.left(), 120)), env=env)
+        rc, _ = self._run(cmd, log, 120, env=env)
         res: dict[str, Any] = {"rc": rc, "bucket_mb": mb}
         r0 = out / "rank0.json"
         if r0.exists():
@@ -345,11 +350,11 @@ class Bench:
         ov = ["parallel.replicas=2", "parallel.shard_size=2", "parallel.grad_accum=1",
               f"failures.schedule={sched}", "run.steps=4", "run.save_params_every=1",
               "optim.warmup_steps=1", "run.gpus_per_node=2", "parallel.mixed_precision=fp32"]
-        rc, wall = train(run, ov, timeout=min(max(30.0, self.left()), 150))
+        rc, wall = self.train(run, ov, timeout=min(max(30.0, self.left()), 150))
         res: dict[str, Any] = {"debug_2x2": {"overrides": ov, "rc": rc, "wall_s": round(wall, 1),
                                              "steps": len(steps_of(run, 0))}}
         if rc == 0:
-            vrc, _ = verify(run, "cuda", timeout=120)
+            vrc, _ = self.verify(run, "cuda", timeout=120)
             res["debug_2x2"]["verify_rc"] = vrc
         else:
             res["debug_2x2"]["error"] = _tail(run.parent / f"{run.name}.log")
@@ -374,7 +379,7 @@ class Bench:
             return {"skipped": "section 2 gave no W=1 step time to size this by", "ok": None}
         startup = max(0.0, wall - n * w1)
         share = 2.0 if self.info.get("gpus", 0) < 2 and not self.cpu else 1.0
-        est = 2 * startup + self.steps * 4 * w1 * (1 + 2 * share)
+        est = 2 * startup + self.steps_of(7) * 4 * w1 * (1 + 2 * share)
         if est + 30 > self.left():
             return {"skipped": f"needs ~{est:.0f} s, {self.left():.0f} s left", "ok": None,
                     "estimate_s": est}
@@ -402,23 +407,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         from recover_hsdp.bench.gpu_staging import staging_worker
 
         return staging_worker(args)
+    try:
+        want = {int(s) for s in args.sections.split(",") if s.strip()}
+    except ValueError:
+        print(f"bench gpu: --sections {args.sections!r}: expected numbers such as 1,2,3",
+              file=sys.stderr)
+        return 2
+    if args.plan:
+        return P.print_plan(args, want, REPO / "runs" / "bench_gpu")
     b = Bench(args)
-    want = {int(s) for s in args.sections.split(",") if s.strip()}
-    _log(f"{'CPU' if b.cpu else 'GPU'} shapes, results in {b.out}, budget {args.budget_s:.0f} s")
+    elapsed = time.perf_counter() - _T0
+    plan, total = P.make_plan(want, args.budget_s, cpu=b.cpu, gpus=b.info.get("gpus") or 0,
+                              steps=args.steps, runs=b.out.parent, setup_s=elapsed,
+                              quick=args.quick)
+    b.plan = {p.est.section: p for p in plan}
+    _log(f"{'CPU' if b.cpu else 'GPU'} shapes, results in {b.out}, deadline {args.budget_s:.0f} s "
+         f"({elapsed:.0f} s spent before the bench)\n"
+         + P.format_plan(plan, total, args.budget_s, 0.0, "this machine"))
     rc = 0
     for n, name, meth in SECTIONS:
         if n not in want:
             continue
-        if b.left() <= 0:
+        planned = b.plan.get(n)
+        if planned is not None and not planned.included:
+            b.save(n, name, {"skipped": f"deferred by the plan: ~{planned.est.seconds():.0f} s "
+                                        f"does not fit the {args.budget_s:.0f} s budget",
+                             "ok": None, "estimate_s": planned.est.seconds()})
+            continue
+        if b.left() <= 1.0:
             b.save(n, name, {"skipped": "time budget spent", "ok": None})
             continue
         _log(f"section {n}: {name}")
         t = time.perf_counter()
+        b.section_end, b._section = t + P.SECTION_CAP_S, n
         try:
             res = getattr(b, meth)()
+        except Deadline as e:
+            res = {"ok": False, "killed": str(e), "error": f"killed: {e}"}
+            _log(f"section {n} ({name}) killed: {e}")
         except Exception as e:  # noqa: BLE001 - one section's failure must not lose the others
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            b.section_end = float("inf")
+            P.kill_marked(b.id)
         res["section_wall_s"] = round(time.perf_counter() - t, 1)
+        res["planned_steps"] = b.steps_of(n)
         b.save(n, name, res)
         if res.get("ok") is False:
             rc = 1

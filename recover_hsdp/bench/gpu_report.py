@@ -1,7 +1,49 @@
 """`recover-hsdp bench gpu`'s derived figures and its table (split out of bench/gpu.py)."""
 from __future__ import annotations
 
+import platform
 from typing import Any
+
+#: dense bf16 peak FLOP/s by device name substring (the MFU denominator)
+PEAK_BF16 = (("H200", 989.4e12), ("H100", 989.4e12), ("A100", 312e12), ("L40S", 362e12),
+             ("A10", 125e12))
+
+
+def model_flops_per_token(model: str, seq_len: int, vocab: int = 4096) -> tuple[float, int]:
+    """(training FLOP per token: 6 N + 12 L d T, parameter count N) from conf/model/<model>.yaml."""
+    import yaml
+
+    from recover_hsdp.config.groups import CONF_DIR
+
+    c = yaml.safe_load((CONF_DIR / "model" / f"{model}.yaml").read_text())
+    d, L, ffn = int(c["d_model"]), int(c["n_layers"]), int(c["ffn_dim"])
+    hd = d // int(c["n_heads"])
+    kv = int(c["n_kv_heads"]) * hd
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d
+    n = L * per_layer + vocab * d * (1 if c.get("tie_embeddings", True) else 2) + d
+    return 6.0 * n + 12.0 * L * d * seq_len, n
+
+
+def device_info(cpu: bool) -> dict:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                            "cuda": bool(torch.cuda.is_available()) and not cpu}
+    if info["cuda"]:
+        info["gpus"] = torch.cuda.device_count()
+        info["name"] = torch.cuda.get_device_name(0)
+        info["peak_bf16_flops"] = next((v for k, v in PEAK_BF16 if k in info["name"]), None)
+    else:
+        info["gpus"] = 0
+        info["name"] = platform.processor() or "cpu"
+        info["peak_bf16_flops"] = None
+    try:
+        from recover_hsdp.collectives import cuda_aware_mpi
+
+        info["cuda_aware_mpi"] = cuda_aware_mpi()
+    except Exception:  # noqa: BLE001 - informative only
+        info["cuda_aware_mpi"] = None
+    return info
 
 
 def staged_allreduce_s(params: float, gbps: float) -> float:

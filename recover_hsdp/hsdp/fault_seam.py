@@ -10,7 +10,63 @@ from typing import Optional
 
 import torch
 
-from recover_hsdp.faults.seam import TestFault, from_env
+from recover_hsdp.faults.seam import ENV_NONDET, TestFault, from_env, nondet_probability
+
+#: mantissa bits by dtype: one ulp of x is 2 ** (floor(log2 |x|) - bits)
+_MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
+
+
+def jitter_ulp(g: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+    """``g`` with each nonzero element moved one ulp of its dtype up (probability p) or down
+    (probability p), else left: the result of an atomic sum in another order."""
+    bits = _MANTISSA.get(g.dtype)
+    if bits is None or g.numel() == 0:
+        return g
+    u = torch.rand(g.shape, generator=gen, device="cpu").to(g.device)
+    step = torch.where(u < p, 1.0, torch.where(u > 1.0 - p, -1.0, 0.0))
+    x = g.double()
+    ulp = torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-300))) - bits)
+    return torch.where(g == 0, x, x + step * ulp).to(g.dtype)
+
+
+class _Nondeterministic(torch.autograd.Function):
+    """Identity forward on (q, k, v); the backward jitters the gradients SDPA produced."""
+
+    p = 0.0
+    gen: Optional[torch.Generator] = None
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        c = _Nondeterministic
+        return tuple(None if g is None else jitter_ulp(g, c.p, c.gen) for g in (gq, gk, gv))
+
+
+def install_nondeterminism(p: Optional[float] = None) -> float:
+    """RECOVER_HSDP_TEST_NONDET (seam.py): the model's attention backward becomes
+    nondeterministic in this process; returns the probability (0.0: not installed)."""
+    import os
+
+    from recover_hsdp.model import llama
+
+    p = nondet_probability() if p is None else float(p)
+    if not p or getattr(llama.attention_fn, "_nondeterministic", False):
+        return p
+    _Nondeterministic.p = p
+    _Nondeterministic.gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+    kernel = llama.attention_fn
+
+    def noisy(q, k, v, **kw):
+        return kernel(*_Nondeterministic.apply(q, k, v), **kw)
+
+    noisy._nondeterministic = True
+    llama.attention_fn = noisy
+    print(f"recover-hsdp: TEST SEAM {ENV_NONDET}={p}: the attention backward is "
+          f"nondeterministic in this rank", file=sys.stderr, flush=True)
+    return p
 
 
 class RunFaults:

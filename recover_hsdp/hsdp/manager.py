@@ -187,9 +187,13 @@ class HSDPULFMTrainingManager:
         self._failure_handled = False
         self._bucket_index: dict[int, int] = {}
         self.orch = None if self.is_standby else self._make_orchestrator()
-        from recover_hsdp.hsdp.fault_seam import RunFaults
+        from recover_hsdp.hsdp.fault_seam import RunFaults, install_nondeterminism
 
         self.seam = RunFaults.from_env()  # test only: None unless RECOVER_HSDP_TEST_FAULT allowed
+        # False on CUDA (SDPA's backward adds atomically) unless torch's deterministic mode is
+        # on, and under the test seam RECOVER_HSDP_TEST_NONDET (verify: docs/verify.md)
+        self.deterministic = not install_nondeterminism() and (
+            self.device.type == "cpu" or torch.are_deterministic_algorithms_enabled())
         from recover_hsdp.faults.gate import Gate
 
         self.gate = Gate.from_env(self.rank)  # test only: None unless RECOVER_HSDP_TEST_GATE allowed

@@ -103,6 +103,7 @@ def run_worker(cfg: Any) -> int:
             **({"standby": mgr.standby} if mgr.standby else {}),   # idle standby replicas
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
             else "custom", "device": mgr.device.type,
+            "deterministic": mgr.deterministic,   # False: verify's nondeterministic tolerance
             "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
     snaps = ParamSnapshots(mgr, recorder)
     mgr.before_optimizer_step = snaps.before_optimizer_step

@@ -23,6 +23,9 @@ from torch import nn
 
 from .config import ModelConfig
 
+#: the attention kernel (a test seam replaces it: recover_hsdp/hsdp/fault_seam.py)
+attention_fn = F.scaled_dot_product_attention
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32."""
@@ -96,7 +99,7 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, H, T, hd)
+        y = attention_fn(q, k, v, is_causal=True)   # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

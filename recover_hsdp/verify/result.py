@@ -27,6 +27,7 @@ class StepReport:
     reason: str | None = None             # element | rms | copies (when not ok)
     envelope: tuple | None = None         # (max_abs, max_rms) of the HSDP-order twin (--envelope)
     strict_ratio: float | None = None     # strict check: max over coordinates of |diff| / bound
+    strict_fraction: float | None = None  # strict check: coordinates over their bound (share)
     ok: bool = True
     where: str | None = None              # location of max_abs: "shard j, param fqn[idx]"
     seconds: float = 0.0

@@ -31,17 +31,33 @@ FP32_EPS = 2.0 ** -23
 #: honest |dg| / (eps32 * sum|g_i| / B) measured <= ~150 (docs/verify.md); x ~7
 C_STRICT = 1024.0
 
+# A NONDETERMINISTIC bf16 run (meta.deterministic false: CUDA's SDPA backward adds atomically;
+# on CPU the test seam RECOVER_HSDP_TEST_NONDET): the run's bf16 gradients differ from the
+# replay's by bf16 ulps, not fp32 roundings, and through the backward a few coordinates feel many
+# of them. The bound's basis becomes eps_bf16 (2^-8) and the verdict a FRACTION: a step fails
+# when more than ND_MAX_FRACTION of the coordinates exceed C_STRICT_ND x their bound. Measured
+# (docs/verify.md, "Nondeterministic devices"; one ulp up or down on half the elements of dq, dk
+# and dv, llama_debug, W=2 G=2, S=1 and 2): honest steps <= 2e-4 of the coordinates over the
+# bound, each of the four seam faults >= 1.3e-2.
+BF16_EPS = 2.0 ** -8
+C_STRICT_ND = 8.0
+ND_MAX_FRACTION = 2e-3
+
 
 class StrictCheck:
     """Float64 shadow of the optimizer with per-coordinate bounds (one instance per replay)."""
 
-    def __init__(self, params, names, optim_cfg, c: float = C_STRICT):
+    def __init__(self, params, names, optim_cfg, c: float = C_STRICT, *,
+                 eps: float = FP32_EPS, max_fraction: float | None = None):
         import torch
 
         self.torch = torch
         self.params = list(params)
         self.names = list(names)
         self.c = float(c)
+        self.eps_basis = float(eps)            # the gradient bound's unit: eps32, or eps_bf16
+        self.max_fraction = max_fraction       # None: every coordinate within its bound
+        self.last_fraction = 0.0               # of the last check(): coordinates over bound
         self.kind = str(getattr(optim_cfg, "name", "adamw") or "adamw")
         self.b1, self.b2 = (float(b) for b in optim_cfg.betas)
         self.eps = float(optim_cfg.eps)
@@ -78,7 +94,7 @@ class StrictCheck:
                 continue
             lr, wd = group_of[id(p)]
             g = p.grad.detach().double()
-            delta = self.c * e32 * self.absacc[k] / float(divisor) + 1e-30
+            delta = self.c * self.eps_basis * self.absacc[k] / float(divisor) + 1e-30
             if self.kind == "sgd":
                 d = g + wd * p0
                 new = p0 - lr * d
@@ -118,10 +134,13 @@ class StrictCheck:
         """(max |diff| / bound, where, that |diff|) of the run's parameters (fqn -> tensor)."""
         torch = self.torch
         worst, where, wdiff = 0.0, None, 0.0
+        over = total = 0
         for name, e, b in zip(self.names, self.expected, self.bound):
             got = run_params[name].double()
             diff = (got - e).abs()
             ratio = (diff / b).nan_to_num(math.inf, math.inf, math.inf)
+            over += int((ratio > 1.0).sum())
+            total += ratio.numel()
             k = int(ratio.argmax())
             r = float(ratio.reshape(-1)[k])
             if r > worst or where is None:
@@ -132,4 +151,11 @@ class StrictCheck:
                     kk //= dim
                 worst, where = r, f"{name}[{','.join(map(str, reversed(idx)))}]"
                 wdiff = float(diff.reshape(-1)[k])
+        self.last_fraction = over / max(total, 1)
         return worst, where, wdiff
+
+    def fails(self, ratio: float) -> bool:
+        """The verdict of the last check() (its max ratio): over 1, or over the fraction."""
+        if self.max_fraction is None:
+            return ratio > 1.0
+        return self.last_fraction > self.max_fraction

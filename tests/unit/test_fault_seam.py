@@ -3,6 +3,7 @@ run.save_params_every=auto is derived from the snapshot size (issue 16)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from recover_hsdp.faults import seam
 from recover_hsdp.record.params import snapshot_every
@@ -66,3 +67,47 @@ def test_explicit_interval_kept():
     assert snapshot_every(3, 10 ** 12) == 3 and snapshot_every(0, 1) == 0
     with pytest.raises(ValueError):
         snapshot_every(-1, 1)
+
+
+# --- RECOVER_HSDP_TEST_NONDET: a nondeterministic attention backward (issue 24 item 6) --------
+def test_nondet_seam_is_refused_without_the_allow_variable_and_checked():
+    from recover_hsdp.faults import seam
+
+    assert "RECOVER_HSDP_TEST_NONDET is set" in seam.refusal({seam.ENV_NONDET: "0.5"})
+    assert seam.refusal({seam.ENV_NONDET: "0.5", seam.ENV_ALLOW: "1"}) is None
+    for bad in ("0", "0.7", "x"):
+        assert "expected a probability" in seam.refusal({seam.ENV_NONDET: bad,
+                                                         seam.ENV_ALLOW: "1"})
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, 7), (torch.float32, 23)])
+def test_jitter_moves_each_element_at_most_one_ulp_of_its_dtype(dtype, bits):
+    from recover_hsdp.hsdp.fault_seam import jitter_ulp
+
+    g = (torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    g[:7] = 0
+    j = jitter_ulp(g, 0.5, torch.Generator().manual_seed(2))
+    assert j.dtype == dtype and torch.equal(j[:7], g[:7])
+    d = (j.double() - g.double()).abs()
+    ulp = torch.exp2(torch.floor(torch.log2(g.double().abs().clamp_min(1e-300))) - bits)
+    moved = d > 0
+    assert 0.9 < moved.double().mean() <= 1.0            # p=0.5 up + 0.5 down: nearly all
+    # one ulp (the binade's, or half of it when the move crosses down into the next binade)
+    assert torch.all((d[moved] == ulp[moved]) | (d[moved] == ulp[moved] / 2))
+
+
+def test_verify_profile_follows_meta_deterministic():
+    from recover_hsdp.verify.tolerance import (ND_WIDEN, Tolerance, nondeterministic_profile,
+                                               run_is_nondeterministic)
+
+    assert not run_is_nondeterministic({"device": "cpu"})
+    assert run_is_nondeterministic({"device": "cuda"})           # an older CUDA record
+    assert not run_is_nondeterministic({"device": "cuda", "deterministic": True})
+    notes = []
+    tol = Tolerance()
+    assert nondeterministic_profile({"deterministic": False, "mixed_precision": "fp32"}, tol,
+                                    notes.append) is None and tol.c == Tolerance().c
+    nd = nondeterministic_profile({"deterministic": False, "mixed_precision": "bf16"}, tol,
+                                  notes.append)
+    assert nd["eps"] == 2.0 ** -8 and nd["max_fraction"] > 0
+    assert tol.c == Tolerance().c * ND_WIDEN and len(notes) == 2

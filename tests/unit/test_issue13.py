@@ -173,7 +173,8 @@ def test_pyproject_accepts_the_gpu_images_range():
 
 # --- bench gpu arithmetic -------------------------------------------------------------------------
 def test_bench_gpu_flops_match_the_issue():
-    from recover_hsdp.bench.gpu import commit_times, model_flops_per_token
+    from recover_hsdp.bench.gpu import commit_times
+    from recover_hsdp.bench.gpu_report import model_flops_per_token
 
     fpt, n = model_flops_per_token("llama_1b", 2048)
     assert 0.95e9 < n < 1.0e9                      # "0.98 B parameters with the 4,096 vocab"
