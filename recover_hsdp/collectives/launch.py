@@ -25,7 +25,7 @@ FT_COLL = "self,basic,tuned,libnbc,ftagree"
 #: ULFM supports. The Open MPI wheel also ships UCX (pml ucx), over which ULFM is NOT supported;
 #: ``--with-ft ulfm`` loads the ft-mpi parameter set, which selects ob1 today, but an
 #: ``OMPI_MCA_pml`` in the environment (or a site's default) would win over it: the command line
-#: wins over both (tests/unit/test_issue24_pml.py checks what a launch really used).
+#: wins over both (tests/unit/test_pml_ob1.py checks what a launch really used).
 FT_PML = "ob1"
 
 

@@ -140,6 +140,8 @@ class RunConfig:
     # checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md)
     ckpt_interval: int = 0                 # DCP checkpoint every N committed steps; 0: none
     ckpt_async: bool = True                # dcp.async_save (the step does not wait for the disk)
+    keep_checkpoints: int = 3              # retention: the newest K complete checkpoints; 0: all
+    keep_every: int = 0                    # also keep every M-th step's checkpoint; 0: none
     resume: bool = False                   # continue run.output_dir from its newest checkpoint
     min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
     max_restarts: int = 3                  # automatic full-width relaunches of one launcher
@@ -154,7 +156,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
         for key in ("ckpt_interval", "min_replicas", "max_restarts", "start_retries",
-                    "max_rejoins"):
+                    "max_rejoins", "keep_checkpoints", "keep_every"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise TrainConfigError(f"run.{key}({getattr(self, key)!r}) must be an integer "
                                        f">= 0")

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from recover_hsdp.faults import failstop
 from recover_hsdp.policy import DataAssignment, PolicyError
-from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, read_state,
-                                            tmp_path)
+from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, prune,
+                                            read_state, tmp_path)
 
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
@@ -153,7 +153,8 @@ class ResilientCheckpointer:
                  segment: int = 0, w0: Optional[int] = None,
                  slice_of: Optional[Mapping[int, int]] = None, slices: Optional[Mapping] = None,
                  identity: Optional[Mapping] = None, timeout_s: Optional[float] = None,
-                 log: Optional[Callable[[str], None]] = None):
+                 log: Optional[Callable[[str], None]] = None, keep: int = 3,
+                 keep_every: int = 0):
         from recover_hsdp.hsdp.topology import CKPT_SAVE_BOUND_S
 
         timeout_s = self.bound_s = CKPT_SAVE_BOUND_S if timeout_s is None else float(timeout_s)
@@ -169,6 +170,11 @@ class ResilientCheckpointer:
                                       for s in range(self.w0)})
         self.identity = dict(identity or {})
         self.log = log or (lambda s: None)
+        # retention (docs/checkpoint.md): the newest `keep` complete checkpoints (0: all) and
+        # every `keep_every`-th step's; pruned right after a newer save became COMPLETE
+        self.keep, self.keep_every = int(keep), int(keep_every)
+        self.protect: set[int] = set()             # the checkpoint this segment resumed from
+        self.pruned: list[int] = []
         self.pending: Optional[tuple[Any, Path, Path, dict, float]] = None
         self.save_times: list[dict] = []
         self._pool = None
@@ -260,6 +266,10 @@ class ResilientCheckpointer:
         self._event({"event": "complete", "step": int(meta["step"]),
                      "save_to_complete_s": round(time.perf_counter() - t0, 6)})
         self.log(f"checkpoint {final} complete ({time.perf_counter() - t0:.2f} s)")
+        gone = prune(self.run_dir, self.keep, self.keep_every, sorted(self.protect))
+        if gone:
+            self.pruned += gone
+            self._event({"event": "pruned", "steps": gone})
 
     def poll(self) -> None:
         """Finish an asynchronous save whose writes are done (call at step boundaries)."""
@@ -289,6 +299,7 @@ class ResilientCheckpointer:
 
         path = Path(path)
         st = read_state(path)
+        self.protect.add(int(st["step"]))
         mgr = self.mgr
         if int(st["B"]) != int(mgr.policy.B):
             raise ValueError(f"{path} was saved with B={st['B']} microbatches per step; this "
@@ -386,6 +397,8 @@ class TrainerCheckpointing(ResilientCheckpointer):
         if not (interval or resume_from or min_rep or run.get("resume") or run.get("rejoin")):
             return None
         self = cls(mgr, run_dir, use_async=bool(run.get("ckpt_async", True)),
+                   keep=int(run.get("keep_checkpoints", 3)),
+                   keep_every=int(run.get("keep_every", 0) or 0),
                    segment=int(os.environ.get(ENV_SEGMENT, "0") or 0),
                    identity=identity_of(c, fingerprint),
                    log=lambda s: print(f"[rank {mgr.rank}] {s}", flush=True)
@@ -460,5 +473,14 @@ class TrainerCheckpointing(ResilientCheckpointer):
         return int(meta.get("shard_size", -1)) == self.mgr.S
 
     def summary(self) -> dict:
+        """What summary.json says of checkpoints: saves, retention and the disk they use."""
+        from recover_hsdp.record.checkpoint import complete_steps, disk_bytes
+
         return {"segment": self.segment, "ckpt_saves": self.save_times,
-                "resumed_from_step": None if self.resumed is None else self.resumed["step"]}
+                "resumed_from_step": None if self.resumed is None else self.resumed["step"],
+                "disk": {"checkpoints_kept": complete_steps(self.run_dir),
+                         "checkpoints_pruned": self.pruned,
+                         "keep_checkpoints": self.keep, "keep_every": self.keep_every,
+                         "checkpoints_bytes": disk_bytes(self.run_dir / "checkpoints"),
+                         "params_bytes": disk_bytes(self.run_dir / "params"),
+                         "run_dir_bytes": disk_bytes(self.run_dir)}}

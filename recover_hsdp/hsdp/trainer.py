@@ -180,6 +180,8 @@ def run_worker(cfg: Any) -> int:
                       f"{j['standby']}: {j['outcome']}", flush=True)
     mgr.release_standbys()
     snaps.close()
+    if ck is not None:
+        ck.wait()              # the last save COMPLETE and pruned before summary.json says so
     wall = time.perf_counter() - t_start
     summary = RunSummary(
         steps_committed=mgr.step, first_step=0, last_step=mgr.step - 1, replicas_initial=W,
@@ -193,8 +195,6 @@ def run_worker(cfg: Any) -> int:
                "final_loss": getattr(last, "loss", None)
                if math.isfinite(getattr(last, "loss", 0.0)) else None,
                **(ck.summary() if ck else {})})
-    if ck is not None:
-        ck.wait()
     recorder.finish(summary)
     recorder.close()
     if _is_logger(mgr):

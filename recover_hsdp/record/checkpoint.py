@@ -6,6 +6,8 @@
                                            record position, the shape that saved it, RNG
         COMPLETE                           written LAST (fsync'd), after the directory was renamed
     run_dir/checkpoints/.tmp_step_{N}_s{k}/ a save in progress (never looks complete)
+    run_dir/checkpoints/.del_step_{N}/     a checkpoint being deleted by retention (renamed first:
+                                           a kill mid-deletion leaves nothing that looks usable)
     run_dir/segments.jsonl                 one line per launch of the run (segment), by the launcher
     run_dir/steps/discarded/               step lines of a killed segment past its checkpoint
 
@@ -109,6 +111,71 @@ def latest_complete(run_dir: str | os.PathLike,
         if warn is not None:
             warn(f"checkpoint {p} ignored: {why}")
     return None
+
+
+def complete_steps(run_dir: str | os.PathLike) -> list[int]:
+    """Steps of every usable checkpoint, oldest first."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if (m := _CKPT.match(p.name)) and p.is_dir() and check_complete(p) is None)
+
+
+def retained(steps: Sequence[int], keep: int, keep_every: int,
+             protect: Sequence[int] = ()) -> set[int]:
+    """Which of the complete checkpoints ``steps`` retention keeps: the newest ``keep`` (0: all),
+    every step that is a multiple of ``keep_every`` (0: none), and ``protect`` (the one a resume
+    read). The newest complete one is always kept."""
+    steps = sorted(set(int(s) for s in steps))
+    if not steps or keep == 0:
+        return set(steps)
+    keepers = set(steps[-max(1, keep):]) | {s for s in steps if keep_every and s
+                                            and s % keep_every == 0}
+    return keepers | (set(steps) & {int(p) for p in protect})
+
+
+def prune(run_dir: str | os.PathLike, keep: int, keep_every: int = 0,
+          protect: Sequence[int] = ()) -> list[int]:
+    """Retention (docs/checkpoint.md): delete the complete checkpoints :func:`retained` does not
+    keep, and the leftovers of an earlier interrupted deletion. Call it only right after a save
+    became COMPLETE, on the one process that finalized it. Each victim is first renamed to
+    ``.del_step_N`` (atomic: it stops looking like a checkpoint), then removed: a kill at any
+    point leaves every kept checkpoint intact. Returns the steps deleted."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    for p in root.iterdir():                     # an interrupted deletion: finish it
+        if p.name.startswith(".del_step_"):
+            shutil.rmtree(p, ignore_errors=True)
+    steps = complete_steps(run_dir)
+    keepers = retained(steps, keep, keep_every, protect)
+    gone = []
+    for s in steps:
+        if s in keepers:
+            continue
+        src, dst = ckpt_path(run_dir, s), root / f".del_step_{s:06d}"
+        try:
+            os.replace(src, dst)
+        except OSError:
+            continue
+        shutil.rmtree(dst, ignore_errors=True)
+        gone.append(s)
+    if gone:
+        fsync_dir(root)
+    return gone
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
 
 
 # --------------------------------------------------------------------------- the data position

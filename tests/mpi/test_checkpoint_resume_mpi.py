@@ -306,3 +306,26 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     v = _cli("verify", str(out), "--records-only", cwd=tmp_path, dl=dl)
     assert v.returncode == 1, v.stdout[-3000:]
     assert "16" in v.stdout and "twice" in v.stdout, v.stdout[-3000:]
+
+
+def test_retention_keeps_the_newest_k_and_every_mth_within_the_disk_formula(tmp_path):
+    """run.keep_checkpoints=3, run.keep_every=5, a checkpoint before every step of 12: the
+    saves are steps 1-11, and exactly {5, 10} plus the newest three {9, 10, 11} remain;
+    summary.json reports the disk, within docs/checkpoint.md's bound (K + floor(T / M) + 2)
+    checkpoints of the largest size seen."""
+    dl = Deadline(300)
+    out = tmp_path / "run"
+    p = _cli("train", *SMALL, "parallel.replicas=2", "parallel.shard_size=1", "run.steps=12",
+             "run.ckpt_interval=1", "run.keep_checkpoints=3", "run.keep_every=5",
+             f"run.output_dir={out}", cwd=tmp_path, dl=dl)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert _complete(out) == [5, 9, 10, 11], _complete(out)
+    assert not list((out / "checkpoints").glob(".del_*")), "a deletion left behind"
+    disk = json.loads((out / "summary.json").read_text())["extra"]["disk"]
+    assert disk["checkpoints_kept"] == [5, 9, 10, 11] and disk["keep_checkpoints"] == 3
+    assert sorted(disk["checkpoints_pruned"]) == [1, 2, 3, 4, 6, 7, 8], disk
+    from recover_hsdp.record.checkpoint import disk_bytes
+
+    one = max(disk_bytes(d) for d in (out / "checkpoints").glob("step_*"))
+    assert 0 < disk["checkpoints_bytes"] <= (3 + 12 // 5 + 2) * one + 64 * 1024, disk
+    _check_one_run(out, 12, tmp_path, dl)

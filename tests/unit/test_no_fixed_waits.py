@@ -29,7 +29,7 @@ ALLOWED = {
     ("e2e/test_two_nodes.py", "test_kills_at_random_moments_on_both_nodes"):
         "a random fraction of a step after a commit: only PLACES a kill at a random moment "
         "(a chaos test); the test gate holds the last step until every kill landed",
-    ("unit/test_issue24_heartbeat.py", "dumps"):
+    ("unit/test_heartbeat_final_beat.py", "dumps"):
         "holds the heartbeat thread inside a write until the test releases it (the Event "
         "decides; 1 s is only the bound if the test never does)",
     ("unit/test_train_cli_launch.py", "fake_worker"):
