@@ -313,8 +313,17 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         failed[0].message += (f" [--keep-going: {len(failed)} of {last + 1} steps failed: "
                               f"{', '.join(str(f.step) for f in failed)}]")
         raise failed[0]
-    result.ok, result.exit_code = True, EXIT_OK
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
+    if result.steps_compared == 0:
+        # nothing but the records was checked: not a verdict on the parameters (issue 26)
+        result.ok, result.exit_code = False, EXIT_ERROR
+        result.message = (f"verify: NOT VERIFIED  steps={result.steps_replayed} replayed, "
+                          f"compared=0: no parameter snapshot of a replayed step "
+                          f"({run_dir}/params){partial}; the records were checked (ids "
+                          f"re-derived, one membership per step). Keep run.save_params_every "
+                          f"snapshots, or pass --records-only to accept the records alone")
+        return
+    result.ok, result.exit_code = True, EXIT_OK
     result.message = (f"verify: OK  steps={result.steps_replayed}  "
                       f"compared={result.steps_compared}  max_abs={result.max_abs:.3g}  "
                       f"max_rel={result.max_rel:.3g}  max_rms={result.max_rms:.3g}  "

@@ -192,6 +192,17 @@ def test_records_only_skips_replay(copy, capsys):
     assert rc == 0 and "records only" in out
 
 
+def test_a_run_whose_snapshots_are_gone_is_not_verified(copy, capsys):
+    """Nothing but the records checked is no verdict on the parameters: exit 2 naming what was
+    checked (issue 26), unless --records-only asked for exactly that."""
+    shutil.rmtree(copy / "params")
+    rc, out = _verify(copy, capsys=capsys)
+    assert rc == 2 and "NOT VERIFIED" in out and "compared=0" in out, out
+    assert "--records-only" in out, out
+    rc, out = _verify(copy, "--records-only", capsys=capsys)
+    assert rc == 0 and "records only" in out
+
+
 # ------------------------------------------------------------------------------ tampered params
 def _tamper(run: Path, step: int, shard: int, replica: int, index: int, delta: float) -> None:
     path = run / "params" / f"step{step:06d}" / f"shard{shard}.replica{replica}.pt"
