@@ -55,8 +55,28 @@ def _plain(x: Any) -> Any:
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
+#: optimizer settings a resume may change (a one-line notice; recorded per segment in
+#: segments.jsonl; verify replays each segment under its own): the schedule and the clip
+RESUME_MUTABLE_OPTIM = ("lr", "warmup_steps", "min_lr_ratio", "total_steps", "grad_clip",
+                        "max_skipped_steps")
+
+
+def resume_changes(cfg, st: dict) -> list[str]:
+    """What this config changes, as a resume may, against checkpoint ``st``: 'key: a -> b'."""
+    out = []
+    if "steps" in st and int(st["steps"]) != int(cfg.run.steps):
+        out.append(f"run.steps: {st['steps']} -> {int(cfg.run.steps)}")
+    mine = _plain(cfg.get("optim", {})) or {}
+    for k in RESUME_MUTABLE_OPTIM:
+        if k in (st.get("optim") or {}) and st["optim"].get(k) != mine.get(k):
+            out.append(f"optim.{k}: {_short(st['optim'].get(k), 30)} -> {_short(mine.get(k), 30)}")
+    return out
+
+
 def check_resume(cfg, st: dict, path: Path) -> str | None:
-    """Why this config cannot resume from checkpoint ``st`` (one line), or None."""
+    """Why this config cannot resume from checkpoint ``st`` (one line), or None. A resume may
+    train longer (run.steps, optim.total_steps) and change RESUME_MUTABLE_OPTIM; the model,
+    B, tokens per step, the seed, the data and the optimizer's kind and moments' settings stay."""
     par = cfg.parallel
     W, S, G = int(par.replicas), int(par.shard_size), int(par.grad_accum)
     mbs, L = int(par.micro_batch_size), int(par.seq_len)
@@ -75,9 +95,18 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
                 f"step, this config has B({B}) x parallel.micro_batch_size({mbs}) x "
                 f"parallel.shard_size({S}) x parallel.seq_len({L}) = {tps} (keep "
                 f"micro_batch_size x shard_size constant)")
-    for key, mine in (("model", _plain(cfg.model)), ("optim", _plain(cfg.get("optim", {}))),
-                      ("steps", int(cfg.run.steps)), ("run_seed", int(cfg.run.seed))):
-        if key in st and st[key] != mine:
+    if "steps" in st and int(cfg.run.steps) <= int(st["step"]):
+        return (f"cannot resume from {path}: run.steps({int(cfg.run.steps)}) must exceed the "
+                f"step it resumes at ({st['step']}): nothing would be trained")
+    fixed = {k: v for k, v in (_plain(cfg.get("optim", {})) or {}).items()
+             if k not in RESUME_MUTABLE_OPTIM}
+    saved_fixed = {k: v for k, v in (st.get("optim") or {}).items()
+                   if k not in RESUME_MUTABLE_OPTIM}
+    for key, mine, theirs in (("model", _plain(cfg.model), st.get("model")),
+                              ("optim", fixed, saved_fixed if "optim" in st else None),
+                              ("run_seed", int(cfg.run.seed), st.get("run_seed"))):
+        if theirs is not None and theirs != mine:
+            st = {**st, key: theirs}
             name = {"run_seed": "run.seed", "steps": "run.steps"}.get(key, key)
             if isinstance(mine, dict) and isinstance(st[key], dict):
                 diff = [f"{name}.{k}: {_short(st[key].get(k), 30)} -> {_short(mine.get(k), 30)}"
@@ -87,6 +116,14 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
             return (f"cannot resume from {path}: {name} differs from the run that saved it "
                     f"({_short(st[key])} -> {_short(mine)})")
     return None
+
+
+def _segment_optim(cfg) -> dict:
+    """The optimizer settings this segment trains with, total_steps resolved."""
+    o = dict(_plain(cfg.get("optim", {})) or {})
+    if o.get("total_steps") is None:
+        o["total_steps"] = int(cfg.run.steps)
+    return o
 
 
 def check_resume_dir(cfg, run_dir: Path) -> None:
@@ -252,6 +289,11 @@ def run_resilient(job) -> JobResult:
             print_error(why)
             res.exit_code, res.note = EXIT_CONFIG, why
             return res
+        changes = resume_changes(cfg, resume[1])
+        if changes:
+            print(f"[{PROG}] resume at step {resume[1]['step']} with changes: "
+                  f"{'; '.join(changes)} (recorded in segments.jsonl; the lr schedule is "
+                  f"recomputed over the new horizon: docs/checkpoint.md)", flush=True)
     ldir = run_dir / LAUNCHER_DIR
     ldir.mkdir(parents=True, exist_ok=True)
     host = cfg.run.store_host or default_store_host()
@@ -289,7 +331,9 @@ def run_resilient(job) -> JobResult:
                 "grad_accum": int(cfg.parallel.grad_accum),
                 "micro_batch_size": int(cfg.parallel.micro_batch_size),
                 "standby": int(cfg.parallel.get("standby") or 0),
-                "rejoin": _rejoin_left(cfg, rejoins)})
+                "rejoin": _rejoin_left(cfg, rejoins),
+                # this segment's schedule (verify replays each segment under its own)
+                "steps": steps, "optim": _segment_optim(cfg)})
             with serve_store(host) as store:
                 env = job_env(job, store)
                 env[ENV_SEGMENT] = str(k)

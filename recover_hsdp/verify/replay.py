@@ -123,6 +123,14 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     if spec.ignored_keys:
         note(f"config keys not used by the model/data/optim (ignored, as by the trainer): "
              f"{', '.join(spec.ignored_keys[:8])}")
+    import dataclasses as _dc
+    base = _dc.asdict(spec.optim_cfg)
+    for first, seg_cfg in spec.optim_segments:
+        ch = [f"{k} {base[k]!r} -> {v!r}" for k, v in _dc.asdict(seg_cfg).items()
+              if base.get(k) != v]
+        if ch:
+            note(f"from step {first} (a resumed segment): optimizer settings "
+                 f"{'; '.join(ch)}, replayed as trained")
     if spec.restore_enabled is False:
         note("meta.json: restore_enabled=false (debug switch): this run committed unrestored "
              "gradients after failures and is expected to FAIL")
@@ -233,7 +241,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         rec = steps[s]
         _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, s,
                      strict=strict_chk, bf16=bf16)
-        lr = float(lr_at(s, spec.optim_cfg))
+        lr = float(lr_at(s, spec.optim_at(s)))
         if twin is not None:
             _replay_step(twin[0], twin[1], twin[2], rec, source, dev, spec, lr_at, set_lr, s,
                          hsdp_order=True)
@@ -409,8 +417,8 @@ def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr
             if p.grad is not None:
                 p.grad.div_(rec.divisor)
         # optim.grad_clip and the non-finite skip, as the run applied them (issue 13)
-        _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_cfg.clip)
-    set_lr(optimizer, float(lr_at(step, spec.optim_cfg)))
+        _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_at(step).clip)
+    set_lr(optimizer, float(lr_at(step, spec.optim_at(step))))
     if (rec.extra or {}).get("skipped") or nonfinite:
         if strict is not None:
             strict.expected = None  # no update to bound: the tolerance comparison judges it

@@ -75,6 +75,17 @@ class RunSpec:
     data_fingerprint: str | None
     ignored_keys: list = dataclasses.field(default_factory=list)   # config keys not used
     restore_enabled: bool | None = None     # meta.restore_enabled (debug switch), if recorded
+    # (first step, OptimConfig) of each resumed segment that trained under other optimizer
+    # settings (segments.jsonl "optim": a resume may change the schedule; docs/checkpoint.md)
+    optim_segments: list = dataclasses.field(default_factory=list)
+
+    def optim_at(self, step: int) -> Any:
+        """The optimizer settings step ``step`` trained under: its segment's."""
+        cfg = self.optim_cfg
+        for first, seg_cfg in self.optim_segments:
+            if step >= first:
+                cfg = seg_cfg
+        return cfg
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -162,10 +173,44 @@ class RunSpec:
                                        f"{fl.shard_size} != shard_size={ints['shard_size']}")
         if [fl.index for fl in layout] != list(range(len(layout))):
             raise VerifyInputError("meta.json: param_layout indices are not 0..n-1 in order")
+        optim_segments = _optim_segments(run_dir, optim_cfg)
         return cls(run_dir=run_dir, record=record, policy=kind, policy_source=kind_src,
+                   optim_segments=optim_segments,
                    model_cfg=model_cfg, data_cfg=data_cfg, mbs=mbs, seq_len=seq_len,
                    optim_cfg=optim_cfg, layout=layout, ignored_keys=ignored,
                    restore_enabled=meta.get("restore_enabled"),
                    data_fingerprint=meta.get("data_fingerprint"),
                    w_init=ints["w_init"], g_init=ints["g_init"], B=ints["B"],
                    shard_size=ints["shard_size"], seed=ints["seed"])
+
+
+def _optim_segments(run_dir: Path, base) -> list:
+    """[(first step, OptimConfig)] of every resumed segment that recorded its optimizer
+    settings (sorted by first step; config.yaml's hold before the first)."""
+    from recover_hsdp.optim import OptimConfig, OptimConfigError
+    from recover_hsdp.record.checkpoint import read_segments
+
+    out = []
+    try:
+        segs = read_segments(run_dir)
+    except (OSError, RecordError):
+        return out
+    for seg in segs:
+        if seg.get("event") != "start" or not isinstance(seg.get("optim"), dict) \
+                or seg.get("resume_step") is None:
+            continue
+        try:
+            cfg = OptimConfig.from_mapping(_known(OptimConfig, seg["optim"], "optim", []))
+        except (OptimConfigError, TypeError, ValueError) as e:
+            raise VerifyInputError(f"{run_dir}/segments.jsonl: segment {seg.get('segment')}: "
+                                   f"{' '.join(str(e).split())}") from None
+        if cfg.total_steps is None:
+            cfg = cfg.with_total_steps(int(seg.get("steps") or base.total_steps))
+        out.append((int(seg["resume_step"]), cfg))
+    out.sort(key=lambda t: t[0])
+    # a later segment that resumed EARLIER (a relaunch after a kill) replaces the steps from
+    # its start: keep, per first step, the last launch's settings
+    dedup: dict[int, Any] = {}
+    for first, cfg in out:
+        dedup[first] = cfg
+    return sorted(dedup.items())

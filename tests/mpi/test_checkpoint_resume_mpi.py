@@ -329,3 +329,31 @@ def test_retention_keeps_the_newest_k_and_every_mth_within_the_disk_formula(tmp_
     one = max(disk_bytes(d) for d in (out / "checkpoints").glob("step_*"))
     assert 0 < disk["checkpoints_bytes"] <= (3 + 12 // 5 + 2) * one + 64 * 1024, disk
     _check_one_run(out, 12, tmp_path, dl)
+
+
+def test_resume_longer_with_a_new_lr_verifies_as_one_run(tmp_path):
+    """6 steps, then resumed from the checkpoint at 4 with run.steps=10 and optim.lr halved:
+    one notice, the new settings recorded for the segment, steps 0-9 committed once and
+    verified as ONE run (each segment replayed under its own schedule). The same record with
+    the segment's lr edited back fails verify at the resume step."""
+    dl = Deadline(420)
+    out = tmp_path / "run"
+    base = [*SMALL, "parallel.replicas=2", "parallel.shard_size=1", "run.ckpt_interval=2",
+            "optim.warmup_steps=1", f"run.output_dir={out}"]
+    p = _cli("train", *base, "run.steps=6", cwd=tmp_path, dl=dl)
+    assert p.returncode == 0 and _complete(out) == [2, 4], (_complete(out), p.stdout[-3000:])
+    p = _cli("train", *base, "run.steps=10", "optim.lr=0.0005", "run.resume=true",
+             cwd=tmp_path, dl=dl)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert "resume at step 4 with changes: run.steps: 6 -> 10" in p.stdout, p.stdout[-3000:]
+    assert "optim.lr: 0.001 -> 0.0005" in p.stdout, p.stdout[-3000:]
+    segs = [json.loads(x) for x in (out / "segments.jsonl").read_text().splitlines()]
+    starts = [s for s in segs if s["event"] == "start"]
+    assert [s["optim"]["lr"] for s in starts] == [0.001, 0.0005], starts
+    assert starts[1]["optim"]["total_steps"] == 10 and starts[1]["resume_step"] == 4
+    _check_one_run(out, 10, tmp_path, dl)
+    # the record lies about segment 1's lr: verify must fail where that segment begins
+    edited = [dict(s, optim=dict(s["optim"], lr=0.001)) if s is starts[1] else s for s in segs]
+    (out / "segments.jsonl").write_text("".join(json.dumps(s) + "\n" for s in edited))
+    v = _cli("verify", str(out), cwd=tmp_path, dl=dl)
+    assert v.returncode == 1 and "FAILED at step 4" in v.stdout, v.stdout[-3000:]
