@@ -229,12 +229,13 @@ def _watchers(cfg, run_dir: Path):
     heartbeat, run.hang_timeout_s > 0); the previous segment's heartbeats are cleared first."""
     if not cfg.run.get("hang_timeout_s"):
         return None, None
-    from recover_hsdp.faults.failstop import HangWatchdog
+    from recover_hsdp.faults.watchdog import HangWatchdog
     from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
 
     clear_startup_state(run_dir)
     watchdog = HangWatchdog(run_dir, float(cfg.run.hang_timeout_s), float(cfg.run.heartbeat_s),
                             cfg.run.get("progress_timeout_s"),
+                            floor_s=float(cfg.run.get("progress_floor_s", 30.0)),
                             shard_size=int(cfg.parallel.shard_size)).start()
     return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
 

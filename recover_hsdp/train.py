@@ -256,11 +256,12 @@ def launch_job(job: Job) -> JobResult:
                 print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
                 watchdog = None
                 if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict, SIGKILL from here
-                    from recover_hsdp.faults.failstop import HangWatchdog
+                    from recover_hsdp.faults.watchdog import HangWatchdog
 
                     watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
                                             float(job.cfg.run.heartbeat_s),
                                             job.cfg.run.get("progress_timeout_s"),
+                                            floor_s=float(job.cfg.run.get("progress_floor_s", 30.0)),
                                             shard_size=int(job.cfg.parallel.shard_size)).start()
                 start = StartupWatch(run_dir, int(job.cfg.run.np),
                                      job.cfg.run.get("startup_timeout_s")) if watchdog else None

@@ -132,7 +132,9 @@ class RunConfig:
     # SIGKILLs a rank whose heartbeat is older than hang_timeout_s (null or 0: off)
     heartbeat_s: float = 1.0
     hang_timeout_s: Optional[float] = 5.0
-    progress_timeout_s: Optional[float] = None  # also kill on no progress outside long phases
+    progress_timeout_s: Any = "auto"       # also kill on no progress outside long phases:
+                                           # auto: max(progress_floor_s, 3 x the median step)
+    progress_floor_s: float = 30.0         # the floor of the auto progress bound
     gpus_per_node: Optional[int] = None    # GPUs per node; ranks use cuda:(local rank % it),
                                            # so several replicas may share one; null: all visible
     device: str = "auto"                   # auto: cuda when available, else cpu; cpu: CPU even
@@ -206,8 +208,14 @@ def _check_hang_detector(run: "RunConfig") -> None:
         raise TrainConfigError(f"run.heartbeat_s({run.heartbeat_s!r}) must be > 0")
     for k in ("hang_timeout_s", "progress_timeout_s"):
         v = getattr(run, k)
+        if k == "progress_timeout_s" and v == "auto":
+            continue
         if v is not None and (not _is_real(v) or v < 0):
-            raise TrainConfigError(f"run.{k}({v!r}) must be >= 0 or null (off)")
+            raise TrainConfigError(f"run.{k}({v!r}) must be >= 0 or null (off)"
+                                   + (", or auto" if k == "progress_timeout_s" else ""))
+    if not _is_real(run.progress_floor_s) or not run.progress_floor_s > 0:
+        raise TrainConfigError(f"run.progress_floor_s({run.progress_floor_s!r}) must be > 0 "
+                               f"(seconds)")
     if run.hang_timeout_s:
         if run.hang_timeout_s < 2 * run.heartbeat_s:
             raise TrainConfigError(f"run.hang_timeout_s({run.hang_timeout_s!r}) must be at least "

@@ -189,6 +189,13 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     except (ValueError, TypeError) as e:
         raise TrainConfigError(one_line(e)) from None
     _check_baseline(parts["baseline"], policy, failures, schedule)
+    for i, e in enumerate(schedule.entries):
+        if getattr(e, "kind", "kill") == "wedge" and not (run.hang_timeout_s
+                                                          and run.progress_timeout_s):
+            raise TrainConfigError(
+                f"failures.schedule[{i}].kind(wedge) needs the progress watchdog "
+                f"(run.progress_timeout_s auto or > 0, run.hang_timeout_s > 0): nothing else "
+                f"ends a rank whose main thread is blocked")
     if par.standby:   # hot standbys (docs/rejoin.md)
         from recover_hsdp.policy.standby import standby_config_problem
         why = standby_config_problem(par.standby, policy, parts["baseline"].name, run)

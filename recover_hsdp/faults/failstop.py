@@ -11,10 +11,11 @@ Two halves (docs/faults.md, "Fault classes"):
   :func:`is_peer_failure` says "my replica lost a member" and it leaves by ``replica_lost_exit``.
 * **Hung ranks.** :class:`Heartbeat` is a daemon thread rewriting ``ranks/rank{g}.json`` (pid,
   host, time, progress counter, announced long phase, clean-exit mark) every ``period_s``;
-  :class:`HangWatchdog` (in the launcher, on the ranks' node) SIGKILLs a rank whose heartbeat is
-  older than ``timeout_s`` (a waiting rank still beats: collectives release the GIL), optionally
-  one whose progress stalled outside a long phase (``progress_timeout_s``), and, through
-  faults/reaper.py, the mates of a rank that died that do not notice it (NCCL).
+  ``faults/watchdog.py`` ``HangWatchdog`` (in the launcher, on the ranks' node) SIGKILLs a rank
+  whose heartbeat is older than ``timeout_s`` (a waiting rank still beats: collectives release
+  the GIL), one whose progress stalled outside a long phase (``progress_timeout_s``, on by
+  default: ``auto``), and, through faults/reaper.py, the mates of a rank that died that do not
+  notice it (NCCL).
 
 The launcher judges a job whose replicas all logged an error of the same class as a user error:
 one line, non-zero exit (:func:`common_error`).
@@ -35,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from recover_hsdp.faults.injector import replica_lost_exit, sigkill_self
-from recover_hsdp.faults.reaper import MateReaper, alive as _alive, kill_recorded
 
 ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
@@ -43,6 +43,10 @@ ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
 ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
 ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (jobs.job_env): heartbeats name it
 ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"   # chaos: SIGUSR1 -> InjectedFault
+#: a heartbeat starts inside the announced phase "start-up" (world formation, the model's
+#: sharding, a checkpoint load, the initial snapshot), ended by the first step (step_begins):
+#: the progress watchdog judges it only past this bound
+STARTUP_PHASE_S = 600.0
 
 
 class InjectedFault(RuntimeError):
@@ -230,8 +234,11 @@ class Heartbeat:
         self.rank = int(rank)
         self.period_s = float(period_s)
         self.progress = 0
-        self.phase: Optional[str] = None
-        self.phase_until: Optional[float] = None
+        self.phase: Optional[str] = "start-up"
+        self.phase_until: Optional[float] = time.time() + STARTUP_PHASE_S
+        self._starts: list[float] = []     # the last step starts: the median step time
+        self.progress_time = time.time()   # of the last progress (orders the watchdog's verdicts)
+        self.step_s: Optional[float] = None
         self.done = False          # a clean exit (mark_done): the reaper must not take it for a death
         self._lock = threading.Lock()   # one writer of the file at a time (thread, mark_done)
         self._stop = threading.Event()
@@ -253,6 +260,19 @@ class Heartbeat:
     def tick(self) -> None:
         """The main thread made progress (a microbatch, a collective returned, a commit)."""
         self.progress += 1
+        self.progress_time = time.time()
+
+    def step_begins(self) -> None:
+        """A step (or a standby's world round) begins: progress, the end of "start-up", and
+        the median of the last 20 step times the watchdog's auto bound scales with."""
+        now = time.time()
+        if self.phase == "start-up":
+            self.phase = self.phase_until = None
+        self._starts = (self._starts + [now])[-21:]
+        gaps = sorted(b - a for a, b in zip(self._starts, self._starts[1:]))
+        self.step_s = gaps[len(gaps) // 2] if gaps else None
+        self.progress += 1
+        self.progress_time = now
 
     @contextmanager
     def long_phase(self, name: str, expected_s: Optional[float] = None) -> Iterator[None]:
@@ -271,6 +291,7 @@ class Heartbeat:
             rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                    "time": time.time(), "progress": self.progress, "phase": self.phase, "done":
                    self.done, "phase_until": self.phase_until, "period_s": self.period_s,
+                   "step_s": self.step_s, "progress_time": self.progress_time,
                    "launch": os.environ.get(ENV_LAUNCH_ID)}
             tmp = self.path.with_name(self.path.name + ".tmp")
             try:
@@ -316,7 +337,14 @@ def mark_done() -> None:
 def tick() -> None:
     hb = _hb["hb"]
     if hb is not None:
-        hb.progress += 1
+        hb.tick()
+
+
+def step_begins() -> None:
+    """Call as each step (a standby: each world round) begins: Heartbeat.step_begins."""
+    hb = _hb["hb"]
+    if hb is not None:
+        hb.step_begins()
 
 
 @contextmanager
@@ -327,104 +355,6 @@ def long_phase(name: str, expected_s: Optional[float] = None) -> Iterator[None]:
     else:
         with hb.long_phase(name, expected_s):
             yield
-
-
-class HangWatchdog:
-    """Launcher side: SIGKILL a local rank whose heartbeat is stale (it cannot run: SIGSTOP,
-    a frozen node process) or, with ``progress_timeout_s``, whose progress stalled outside an
-    announced long phase. Each verdict is written to faults/hung.rank{g}.json."""
-
-    def __init__(self, run_dir: os.PathLike | str, timeout_s: float, period_s: float,
-                 progress_timeout_s: Optional[float] = None,
-                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-                 shard_size: int = 1):
-        self.run_dir = Path(run_dir)
-        self.reaper = MateReaper(run_dir, shard_size, timeout_s, log) if shard_size > 1 else None
-        self.timeout_s = float(timeout_s)
-        self.period_s = float(period_s)
-        self.progress_timeout_s = progress_timeout_s
-        self.log = log
-        self.killed: dict[int, dict] = {}
-        self._progress: dict[int, tuple[int, float]] = {}
-        self._grace_until = 0.0     # judging waits until then after a stall of the watchdog
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
-        self._host = socket.gethostname()
-
-    def start(self) -> "HangWatchdog":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        last = time.monotonic()
-        while not self._stop.wait(min(self.period_s, 0.5)):
-            last, t = time.monotonic(), last
-            if self.stalled(last - t, time.time()):
-                continue
-            try:
-                self.poll()
-            except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
-                self.log(f"[recover-hsdp] hang watchdog: {e!r}")
-
-    def stalled(self, gap_s: float, now: float) -> bool:
-        """True while judging waits out a stall of the watchdog itself: its poll came ``gap_s``
-        late (> 2 s; seen: a 19 s freeze of the whole machine, ranks included, whose stale
-        heartbeats the watchdog then judged before the ranks could beat). Judging resumes two
-        heartbeat periods + 0.5 s later, with the progress clocks restarted."""
-        if gap_s > 2.0 + min(self.period_s, 0.5):
-            self._grace_until = now + 2 * self.period_s + 0.5
-            self._progress = {g: (p, self._grace_until) for g, (p, _) in self._progress.items()}
-            self.log(f"[recover-hsdp] hang watchdog: itself stalled for {gap_s:.1f} s; "
-                     f"judging resumes in {2 * self.period_s + 0.5:g} s")
-        return now < self._grace_until
-
-    def poll(self, now: Optional[float] = None) -> list[int]:
-        d = self.run_dir / RANKS_DIR
-        if not d.is_dir():
-            return []
-        now = time.time() if now is None else now
-        out, hbs = [], {}
-        for p in d.glob("rank*.json"):
-            try:
-                hb = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            g = int(hb["rank"])
-            if hb.get("host") == self._host:
-                hbs[g] = hb             # the reaper sees the ranks judged hung here die too
-            if g in self.killed or hb.get("host") != self._host or hb.get("done"):
-                continue
-            pid = int(hb["pid"])
-            if not _alive(pid):
-                continue
-            age = now - float(hb["time"])
-            why = None
-            if age > self.timeout_s:
-                why = f"no heartbeat for {age:.1f} s (run.hang_timeout_s={self.timeout_s:g})"
-            elif self.progress_timeout_s:
-                prog = int(hb.get("progress", 0))
-                last = self._progress.get(g)
-                if last is None or last[0] != prog:
-                    self._progress[g] = (prog, now)
-                elif (hb.get("phase") is None or (hb.get("phase_until") or now + 1) < now) \
-                        and now - last[1] > self.progress_timeout_s:
-                    why = (f"no progress for {now - last[1]:.1f} s "
-                           f"(run.progress_timeout_s={self.progress_timeout_s:g})")
-            if why:
-                self._kill(g, pid, why, now, hb)
-                out.append(g)
-        return out + (self.reaper.poll(hbs, now) if self.reaper else [])
-
-    def _kill(self, g: int, pid: int, why: str, now: float, hb: dict) -> None:
-        rec = {"rank": g, "pid": pid, "reason": why, "time": now,
-               "last_heartbeat": hb.get("time")}
-        if kill_recorded(self.run_dir, f"hung.rank{g}", pid, rec):
-            self.killed[g] = rec
-            self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,16 @@ def sigkill_self() -> None:
 ENV_SHARD_WEDGE = "RECOVER_HSDP_TEST_SHARD_WEDGE_S"
 
 
+def wedge() -> None:
+    """The main thread blocks forever; every other thread (the heartbeat) runs on. Only a
+    judgement from outside (the launcher's progress watchdog: SIGKILL) ends the process."""
+    import threading
+
+    _flush_all()
+    while True:
+        threading.Event().wait(3600.0)
+
+
 def replica_lost_exit(reason: str = "", kill: Callable[[], None] | None = None) -> None:
     """How a rank whose replica lost a member leaves: one line on stderr, flush, SIGKILL self.
 
@@ -134,7 +144,9 @@ class FailureInjector:
         self.fired.append(entry)
         if self._verbose:
             try:
-                print(f"[recover_hsdp.faults] injecting SIGKILL at {entry.describe()} "
+                what = "a WEDGE (main thread blocked)" if getattr(entry, "kind", "kill") \
+                    == "wedge" else "SIGKILL"
+                print(f"[recover_hsdp.faults] injecting {what} at {entry.describe()} "
                       f"(failures.schedule[{index}], pid {os.getpid()})", file=sys.stderr, flush=True)
             except Exception:
                 pass
@@ -147,6 +159,8 @@ class FailureInjector:
             except Exception:
                 pass
         finally:
+            if getattr(entry, "kind", "kill") == "wedge":
+                wedge()
             self._kill()
 
     # -- end-of-run accounting -----------------------------------------------------------------

@@ -78,7 +78,8 @@ class MateReaper:
                 if last is None or last[:2] != (pid, prog):
                     self.still[m] = (pid, prog, now)
                     continue
-                phase = hb.get("phase") is not None and (hb.get("phase_until") or now + 1) >= now
+                phase = (hb.get("phase") not in (None, "start-up")    # start-up: no excuse here
+                         and (hb.get("phase_until") or now + 1) >= now)
                 if not phase and now - max(last[2], t_dead) >= self.grace_s:
                     self._reap(m, pid, d, now, now - t_dead)
                     out.append(m)

@@ -30,7 +30,11 @@ from recover_hsdp.faults.locations import (
 )
 
 SOURCE = "failures.schedule"
-_FIELDS = ("step", "replica", "local_rank", "location", "microbatch", "bucket")
+_FIELDS = ("step", "replica", "local_rank", "location", "microbatch", "bucket", "kind")
+#: what the rank does at the point: kill = SIGKILL itself; wedge = its main thread blocks
+#: forever while its heartbeat thread beats on (a deadlocked loader, a stuck CUDA sync): only the
+#: launcher's progress judgement (run.progress_timeout_s) can end it
+KINDS = ("kill", "wedge")
 
 
 class ScheduleError(ValueError):
@@ -56,6 +60,7 @@ class FailureEntry:
     local_rank: int = 0
     microbatch: int | None = None
     bucket: int | None = None
+    kind: str = "kill"
 
     @property
     def index(self) -> int | None:
@@ -76,7 +81,8 @@ class FailureEntry:
             where += f" microbatch {self.microbatch}"
         if self.bucket is not None:
             where += f" bucket {self.bucket}"
-        return f"step {self.step}, {where}, replica {self.replica} local_rank {self.local_rank}"
+        return (f"step {self.step}, {where}, replica {self.replica} local_rank {self.local_rank}"
+                + (f" ({self.kind})" if self.kind != "kill" else ""))
 
     def to_dict(self) -> dict:
         d = {"step": self.step, "replica": self.replica, "local_rank": self.local_rank,
@@ -85,6 +91,8 @@ class FailureEntry:
             d["microbatch"] = self.microbatch
         if self.bucket is not None:
             d["bucket"] = self.bucket
+        if self.kind != "kill":
+            d["kind"] = self.kind
         return d
 
     @classmethod
@@ -101,6 +109,10 @@ class FailureEntry:
         for key in ("step", "replica", "location"):
             if key not in item:
                 raise ScheduleError(f"{where}: missing required key {key!r}", index, key)
+        kind = item.get("kind", "kill")
+        if kind not in KINDS:
+            raise ScheduleError(f"{where}: unknown kind {kind!r} (known: {', '.join(KINDS)})",
+                                index, "kind")
         location = item["location"]
         if not isinstance(location, str) or location not in LOCATIONS:
             raise ScheduleError(f"{where}: unknown location {location!r} (known: "
@@ -128,6 +140,7 @@ class FailureEntry:
             local_rank=integer("local_rank", 0),
             microbatch=integer("microbatch", 0) if location in MICROBATCH_LOCATIONS else None,
             bucket=integer("bucket", 0) if location in BUCKET_LOCATIONS else None,
+            kind=kind,
         )
 
 

@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from recover_hsdp.faults.failstop import ENV_RUN_DIR, ERRORS_DIR, RANKS_DIR, _alive
+from recover_hsdp.faults.failstop import ENV_RUN_DIR, ERRORS_DIR, RANKS_DIR
+from recover_hsdp.faults.reaper import alive as _alive
 
 ENV_STARTUP_FAULT = "RECOVER_HSDP_STARTUP_FAULT"
 FAULT_DONE = "launcher/startup_fault.done"

@@ -303,6 +303,7 @@ class HSDPULFMTrainingManager:
         that the survivors see a failure (a raised exception would exit non-zero, which ULFM does
         not notice). A shard-group collective error means this replica lost a member."""
         try:
+            failstop.step_begins()   # progress: the step clock of the watchdog, start-up's end
             return self._train_step()
         except BaseException as e:  # noqa: BLE001
             if isinstance(e, SystemExit) and e.code in (0, None):

@@ -204,7 +204,7 @@ def _standby_loop(mgr) -> bool:
     pending = None
     while True:
         res, fl = _round(cross)
-        failstop.tick()   # a round taken part in: progress for the hang watchdog
+        failstop.step_begins()   # a round taken part in: progress (and the step clock)
         if fl[J_DONE] > 0.5 or not cross.alive:
             return False
         if fl[J_JOIN] > 0.5:

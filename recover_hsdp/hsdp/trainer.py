@@ -42,6 +42,7 @@ def run_worker(cfg: Any) -> int:
     seed = int(run.get("seed", 0))
     run_dir = Path(run["output_dir"])
     from recover_hsdp.faults import failstop
+    from recover_hsdp.hsdp.topology import CKPT_SAVE_BOUND_S
 
     failstop.configure(run_dir)  # errors/rank{g}.json + traceback before a fail-stop
     torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
@@ -174,14 +175,16 @@ def run_worker(cfg: Any) -> int:
             print(f"step {mt.step:5d}  loss {mt.loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"alive {len(mgr.policy.alive)}/{W}  G {mgr.policy.layout.g}{ev}", flush=True)
         if mgr.standby and step < steps - 1:
-            j = mgr.join_step()                    # a standby into a lost slot (rejoin.md)
+            with failstop.long_phase("rejoin heal", CKPT_SAVE_BOUND_S):   # moves a state
+                j = mgr.join_step()                # a standby into a lost slot (rejoin.md)
             if j and _is_logger(mgr):
                 print(f"join before step {step + 1}: slot {j['replica']} <- standby "
                       f"{j['standby']}: {j['outcome']}", flush=True)
     mgr.release_standbys()
-    snaps.close()
-    if ck is not None:
-        ck.wait()              # the last save COMPLETE and pruned before summary.json says so
+    with failstop.long_phase("final saves", CKPT_SAVE_BOUND_S):
+        snaps.close()
+        if ck is not None:
+            ck.wait()          # the last save COMPLETE and pruned before summary.json says so
     wall = time.perf_counter() - t_start
     summary = RunSummary(
         steps_committed=mgr.step, first_step=0, last_step=mgr.step - 1, replicas_initial=W,
@@ -303,7 +306,17 @@ class ParamSnapshots:
 
     def after_commit(self, step: int) -> None:
         if self.due(step):
-            self._take(step)
+            from recover_hsdp.faults import failstop
+
+            # an announced long phase: the write (CPU) or the wait for the previous one (CUDA)
+            # moves a shard of the parameters, bounded by bytes over a floor bandwidth
+            with failstop.long_phase("parameter snapshot", self.bound_s()):
+                self._take(step)
+
+    def bound_s(self) -> float:
+        """max(60 s, this rank's shard bytes / SNAPSHOT_FLOOR_BPS)."""
+        n = sum(t.numel() * t.element_size() for t in self._shards())
+        return max(60.0, n / SNAPSHOT_FLOOR_BPS)
 
     def _take(self, step: int, force: bool = False) -> None:
         self.copies += 1
@@ -347,6 +360,10 @@ class ParamSnapshots:
 
     def close(self) -> None:
         self._join()
+
+
+#: the floor bandwidth a parameter snapshot's announced bound is derived from (50 MB/s)
+SNAPSHOT_FLOOR_BPS = 50e6
 
 
 def _tensorboard(run_dir: Path, rank: int):

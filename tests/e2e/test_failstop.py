@@ -208,3 +208,31 @@ def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
     t2 = next(r for r in recs if r["step"] == 2)["local"]["time"]
     assert t2 - fired["time"] < 15.0, (t2, fired)
     _verify(out)
+
+
+# ~50 s: the default progress floor (30 s) is most of it
+@pytest.mark.timeout(240)
+def test_cli_default_settings_catch_a_wedged_rank(tmp_path):
+    """A scheduled `wedge` (the main thread blocked forever, the heartbeat thread beating on: a
+    deadlocked loader) at DEFAULT settings: run.progress_timeout_s=auto judges it (no progress
+    for max(30 s, 3 x its median step)), SIGKILLs it, the survivors take over its microbatches;
+    every step committed once, verify OK, and its healthy mates (waiting on it in the
+    reduction, they stalled later) are not judged."""
+    sched = tmp_path / "wedge.yaml"
+    sched.write_text("- {step: 2, replica: 1, location: forward, microbatch: 0, kind: wedge}\n")
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    p = _cli("train", *SMALL, "parallel.replicas=3", "parallel.shard_size=1", "run.steps=5",
+             f"failures.schedule={sched}", f"run.output_dir={out}", cwd=tmp_path)
+    wall = time.monotonic() - t0
+    print(f"wedge -> commit: run {wall:.0f} s")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "injecting a WEDGE" in p.stdout + p.stderr
+    hung = sorted(f.name for f in (out / "faults").glob("hung.rank*.json"))
+    assert hung == ["hung.rank1.json"], (hung, (p.stdout + p.stderr)[-3000:])
+    why = json.loads((out / "faults" / "hung.rank1.json").read_text())["reason"]
+    assert "no progress" in why and "auto" in why, why
+    rec = read_run(out)
+    assert sorted(rec.steps) == list(range(5))
+    assert 1 not in rec.steps[4].contributions     # the wedged replica is gone
+    _verify(out)

@@ -6,12 +6,14 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests import _procs
 
 from recover_hsdp.faults import failstop as fs
+from recover_hsdp.faults.watchdog import HangWatchdog
 from tests._wait import until
 
 
@@ -111,7 +113,7 @@ def test_heartbeat_and_watchdog_kill_a_stopped_process(tmp_path):
         (tmp_path / "ranks" / "rank4.json").write_text(json.dumps(rec))
         p.send_signal(signal.SIGSTOP)
         logs = []
-        wd = fs.HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.1, log=logs.append)
+        wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.1, log=logs.append)
         assert wd.poll(now=rec["time"] + 0.2) == []       # fresh: not hung
         assert wd.poll(now=rec["time"] + 0.8) == [4]      # stale: SIGKILLed
         p.wait(5)
@@ -129,7 +131,7 @@ def test_watchdog_that_was_itself_stalled_waits_for_fresh_heartbeats(tmp_path):
     launcher alike); the watchdog woke first and SIGKILLed two healthy ranks on their 19 s old
     heartbeats. A poll that comes > 2 s late now waits two heartbeat periods + 0.5 s."""
     logs = []
-    wd = fs.HangWatchdog(tmp_path, timeout_s=5, period_s=1.0, log=logs.append)
+    wd = HangWatchdog(tmp_path, timeout_s=5, period_s=1.0, log=logs.append)
     assert not wd.stalled(0.5, now=100.0)                  # on time: judge
     assert wd.stalled(19.0, now=119.0) and logs            # late: wait...
     assert "itself stalled for 19.0 s" in logs[0]
@@ -158,7 +160,7 @@ def test_progress_timeout_respects_long_phases(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         hb = fs.Heartbeat(tmp_path, 0, period_s=0.1)
-        wd = fs.HangWatchdog(tmp_path, timeout_s=100, period_s=0.1, progress_timeout_s=1.0,
+        wd = HangWatchdog(tmp_path, timeout_s=100, period_s=0.1, progress_timeout_s=1.0,
                              log=lambda s: None)
 
         def write(**kw):
@@ -242,3 +244,65 @@ def test_sigusr1_raise_seam_becomes_a_fail_stop(tmp_path):
     rec = json.loads((tmp_path / "errors" / "rank2.json").read_text())
     assert rec["class"] == "InjectedFault" and rec["step"] == 4
     assert "rank 2: InjectedFault" in p.stderr
+
+
+def _fake(tmp_path, g, pid, **kw) -> float:
+    """Rank g's heartbeat file as a rank writes it, with fields overridden; returns its time."""
+    hb = fs.Heartbeat(tmp_path, g, period_s=1.0)
+    hb.beat()
+    rec = json.loads(hb.path.read_text())
+    rec.update(pid=pid, **kw)
+    hb.path.write_text(json.dumps(rec))
+    return rec["time"]
+
+
+def test_auto_progress_bound_phases_and_the_oldest_stall_first(tmp_path):
+    """run.progress_timeout_s=auto: bound max(floor, 3 x the rank's median step); the heartbeat
+    starts inside "start-up" (not judged before its bound); an announced phase is not judged
+    within its bound and is past it; of two stalled ranks only the OLDEST stall is judged, and
+    the other not within the grace that follows (a mate waiting on a wedged rank)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(3)]
+    try:
+        wd = HangWatchdog(tmp_path, timeout_s=1e6, period_s=0.1, progress_timeout_s="auto",
+                          floor_s=30.0, log=lambda s: None)
+        hb = fs.Heartbeat(tmp_path, 9, period_s=1.0)
+        assert hb.phase == "start-up" and hb.phase_until > time.time() + 500
+        hb.step_begins()
+        assert hb.phase is None
+        assert wd.bound_s({"step_s": None}) == 30.0 and wd.bound_s({"step_s": 20.0}) == 60.0
+        t = _fake(tmp_path, 0, procs[0].pid, phase=None, step_s=20.0, progress_time=100.0)
+        _fake(tmp_path, 1, procs[1].pid, phase=None, step_s=0.1, progress_time=101.0)
+        _fake(tmp_path, 2, procs[2].pid, phase="checkpoint save", phase_until=t + 90,
+              progress_time=99.0)
+        assert wd.poll(now=t) == []                      # first sight of each: clocks start
+        assert wd.poll(now=t + 31) == [1]                # 1: 30 s floor; 0's bound is 60 s
+        assert wd.poll(now=t + 33) == []                 # the grace after a verdict
+        (tmp_path / "ranks" / "rank1.json").unlink()
+        assert wd.poll(now=t + 61) == [0]                # 0 past 3 x its 20 s median
+        assert wd.poll(now=t + 89) == []                 # 2 inside its announced bound
+        assert wd.poll(now=t + 91) == [2]                # ... and past it
+        why = json.loads((tmp_path / "faults" / "hung.rank2.json").read_text())["reason"]
+        assert "overran its bound" in why, why
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5)
+
+
+def test_of_two_stalls_at_once_the_one_that_stopped_first_is_judged(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    try:
+        wd = HangWatchdog(tmp_path, timeout_s=1e6, period_s=0.1, progress_timeout_s=5.0,
+                          log=lambda s: None)
+        # the mate (rank 0) stopped progressing 0.1 s AFTER the wedged rank 1
+        t = _fake(tmp_path, 0, procs[0].pid, phase=None, progress_time=50.1)
+        _fake(tmp_path, 1, procs[1].pid, phase=None, progress_time=50.0)
+        assert wd.poll(now=t) == []
+        assert wd.poll(now=t + 6) == [1]
+        assert wd.poll(now=t + 6.5) == []               # the mate: not within the grace
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5)

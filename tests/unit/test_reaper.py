@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.faults.failstop import HangWatchdog
+from recover_hsdp.faults.watchdog import HangWatchdog
 from recover_hsdp.faults.reaper import alive
 from tests._wait import Deadline, until, wait_dead
 

@@ -1,0 +1,162 @@
+"""Launcher side of the hang detector: judge the ranks' heartbeats (docs/faults.md, "Fault
+classes"). The rank side (the heartbeat thread, ``tick``, ``long_phase``) is faults/failstop.py.
+
+``HangWatchdog`` SIGKILLs a rank of this host whose heartbeat is older than ``timeout_s`` (it cannot
+run: SIGSTOP, a frozen node process) or whose PROGRESS stalled outside an announced long phase
+(its main thread wedged while the heartbeat thread beats: a deadlocked loader, a stuck sync).
+The progress bound is ``progress_timeout_s`` seconds, or with ``"auto"`` (the default of
+``run.progress_timeout_s``) per rank ``max(floor_s, 3 x the median of its last step times)``,
+the median carried by its heartbeat. A long phase that overran its announced bound is judged
+as well. Progress verdicts are taken one at a time, the oldest stall first, with a grace after
+each: the mates a wedged rank kept waiting in a collective stalled later than it, and move again
+once its death is seen. Each verdict is written to faults/hung.rank{g}.json.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from recover_hsdp.faults.failstop import RANKS_DIR
+from recover_hsdp.faults.reaper import MateReaper, alive as _alive, kill_recorded
+
+#: the progress floor of ``run.progress_timeout_s=auto`` (run.progress_floor_s)
+PROGRESS_FLOOR_S = 30.0
+
+
+class HangWatchdog:
+    """Launcher side: SIGKILL a local rank whose heartbeat is stale (it cannot run: SIGSTOP,
+    a frozen node process) or, with ``progress_timeout_s``, whose progress stalled outside an
+    announced long phase. Each verdict is written to faults/hung.rank{g}.json."""
+
+    def __init__(self, run_dir, timeout_s: float, period_s: float,
+                 progress_timeout_s=None,
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+                 shard_size: int = 1, floor_s: float = PROGRESS_FLOOR_S):
+        self.run_dir = Path(run_dir)
+        self.reaper = MateReaper(run_dir, shard_size, timeout_s, log) if shard_size > 1 else None
+        self.timeout_s = float(timeout_s)
+        self.period_s = float(period_s)
+        self.auto = progress_timeout_s == "auto"
+        self.progress_timeout_s = None if self.auto else progress_timeout_s
+        self.floor_s = float(floor_s)
+        self._progress_grace_until = 0.0   # after a progress verdict: let the mates move again
+        self.log = log
+        self.killed: dict[int, dict] = {}
+        self._progress: dict[int, tuple[int, float]] = {}
+        self._grace_until = 0.0     # judging waits until then after a stall of the watchdog
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._host = socket.gethostname()
+
+    def start(self) -> "HangWatchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(min(self.period_s, 0.5)):
+            last, t = time.monotonic(), last
+            if self.stalled(last - t, time.time()):
+                continue
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
+                self.log(f"[recover-hsdp] hang watchdog: {e!r}")
+
+    def stalled(self, gap_s: float, now: float) -> bool:
+        """True while judging waits out a stall of the watchdog itself: its poll came ``gap_s``
+        late (> 2 s; seen: a 19 s freeze of the whole machine, ranks included, whose stale
+        heartbeats the watchdog then judged before the ranks could beat). Judging resumes two
+        heartbeat periods + 0.5 s later, with the progress clocks restarted."""
+        if gap_s > 2.0 + min(self.period_s, 0.5):
+            self._grace_until = now + 2 * self.period_s + 0.5
+            self._progress = {g: (p, self._grace_until) for g, (p, _) in self._progress.items()}
+            self.log(f"[recover-hsdp] hang watchdog: itself stalled for {gap_s:.1f} s; "
+                     f"judging resumes in {2 * self.period_s + 0.5:g} s")
+        return now < self._grace_until
+
+    def poll(self, now: Optional[float] = None) -> list[int]:
+        d = self.run_dir / RANKS_DIR
+        if not d.is_dir():
+            return []
+        now = time.time() if now is None else now
+        out, hbs, stalls = [], {}, []
+        for p in d.glob("rank*.json"):
+            try:
+                hb = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            g = int(hb["rank"])
+            if hb.get("host") == self._host:
+                hbs[g] = hb             # the reaper sees the ranks judged hung here die too
+            if g in self.killed or hb.get("host") != self._host or hb.get("done"):
+                continue
+            pid = int(hb["pid"])
+            if not _alive(pid):
+                continue
+            age = now - float(hb["time"])
+            why = None
+            if age > self.timeout_s:
+                why = f"no heartbeat for {age:.1f} s (run.hang_timeout_s={self.timeout_s:g})"
+            elif self.auto or self.progress_timeout_s:
+                stall = self._stall(g, hb, now)
+                if stall is not None:
+                    stalls.append((stall[0], g, pid, stall[1], hb))
+            if why:
+                self._kill(g, pid, why, now, hb)
+                out.append(g)
+        if stalls and now >= self._progress_grace_until:
+            since, g, pid, why, hb = min(stalls, key=lambda t: t[0])   # the oldest stall only
+            self._kill(g, pid, why, now, hb)
+            out.append(g)
+            self._progress_grace_until = now + 2 * self.period_s + 3.0
+        return out + (self.reaper.poll(hbs, now) if self.reaper else [])
+
+    def bound_s(self, hb: dict) -> float:
+        """The progress bound of one rank: fixed, or auto max(floor, 3 x its median step)."""
+        if not self.auto:
+            return float(self.progress_timeout_s)
+        step = hb.get("step_s")
+        return max(self.floor_s, 3.0 * float(step)) if step else self.floor_s
+
+    def _stall(self, g: int, hb: dict, now: float):
+        """(since when, why) when rank g is judged stalled: its progress counter has not moved
+        for its bound outside an announced long phase, or its long phase overran its bound."""
+        prog = int(hb.get("progress", 0))
+        last = self._progress.get(g)
+        if last is None or last[0] != prog:
+            self._progress[g] = (prog, now)
+            return None
+        phase, until = hb.get("phase"), hb.get("phase_until")
+        if phase is not None:
+            if until is not None and now > float(until):
+                return float(hb.get("progress_time") or last[1]), (
+                    f"its announced phase {phase!r} overran its bound by "
+                    f"{now - float(until):.1f} s")
+            return None
+        bound = self.bound_s(hb)
+        if now - last[1] > bound:
+            rule = (f"run.progress_timeout_s={self.progress_timeout_s:g}" if not self.auto else
+                    f"auto: max({self.floor_s:g} s, 3 x median step "
+                    f"{hb.get('step_s') or 0:.2f} s)")
+            # the rank's own clock of its last progress orders the verdicts (the observed one is
+            # a heartbeat late, the same for a wedged rank and the mate it keeps waiting)
+            return (float(hb.get("progress_time") or last[1]),
+                    f"no progress for {now - last[1]:.1f} s ({rule})")
+        return None
+
+    def _kill(self, g: int, pid: int, why: str, now: float, hb: dict) -> None:
+        rec = {"rank": g, "pid": pid, "reason": why, "time": now,
+               "last_heartbeat": hb.get("time")}
+        if kill_recorded(self.run_dir, f"hung.rank{g}", pid, rec):
+            self.killed[g] = rec
+            self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")
