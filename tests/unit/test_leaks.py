@@ -128,3 +128,26 @@ def test_deadline_is_the_tests_one_budget_below_its_ceiling(deadline):
 
     assert deadline.total == 110 and current_deadline() is deadline
     assert 0 < deadline.left() <= 110
+
+
+def test_environ_of_a_process_is_read_again_only_inside_its_exec_window():
+    """tests._procs._environ: a normal child's environment at once; one started with an empty
+    environment (env -i) is read again for at most its 1 s bound, then reported empty."""
+    import time
+
+    from tests._procs import _environ
+
+    p = subprocess.Popen(["sleep", "30"], env=dict(os.environ, MARK="x"))
+    q = subprocess.Popen(["env", "-i", "sleep", "30"])
+    try:
+        assert b"MARK=x" in _environ(p.pid).split(b"\0")
+        wait_for = Deadline(10)
+        while b"env" in Path(f"/proc/{q.pid}/cmdline").read_bytes() and not wait_for.expired():
+            os.sched_yield()        # `env` execs sleep: its own exec is the event
+        t = time.monotonic()
+        assert _environ(q.pid) == b""
+        assert time.monotonic() - t < 1.0 + 0.5
+    finally:
+        for x in (p, q):
+            x.kill()
+            x.wait()
