@@ -294,10 +294,12 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     assert rec.steps[4].contributions == {0: [16, 18], 1: [17, 19]}
     assert rec.steps[5].contributions == {0: [20, 22], 1: [21, 23]}
     first = _step_losses((out / "steps" / "discarded").glob("seg1.rank*.jsonl"))
-    again = _step_losses((out / "steps").glob("rank1???.jsonl"))
+    # the resumed segment's files: rank{1000 k + g}, k >= 1 (k > 1 when a launch of it failed to
+    # start and the launcher retried: seen once, mpirun exit 213 within 0.1 s)
+    again = _step_losses(f for f in (out / "steps").glob("rank*.jsonl") if int(f.stem[4:]) >= 1000)
     assert abs(first[4] - again[4]) <= 1e-4 * abs(first[4]), (first[4], again[4])
     # tamper: step 5 repeats id 16 (committed at step 4, after the resume) -> verify fails
-    for f in (out / "steps").glob("rank1???.jsonl"):
+    for f in (f for f in (out / "steps").glob("rank*.jsonl") if int(f.stem[4:]) >= 1000):
         lines = [json.loads(x) for x in f.read_text().splitlines()]
         for x in lines:
             if x["step"] == 5:
