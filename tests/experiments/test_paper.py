@@ -1,10 +1,10 @@
-"""bench paper: kill schedules, argument errors, and the trajectory scoring on synthetic runs with
-known losses (tests/unit/_runs.py)."""
+"""experiments.paper: kill schedules, argument errors, and the trajectory scoring on synthetic
+runs with known losses (tests/unit/_runs.py)."""
 from __future__ import annotations
 
 import pytest
 
-from recover_hsdp.bench import paper as bp
+from experiments import paper as bp
 from tests.unit._runs import reference_run, resilient_run
 
 

@@ -1,4 +1,5 @@
-"""`recover-hsdp bench paper`: the paper's section 5 / appendix A.1 experiments at this box's scale.
+"""The paper's section 5 / appendix A.1 experiments at this box's scale (`python -m
+experiments.paper` from the repository root).
 
 Every run is a real `recover-hsdp train` job (mpirun, real SIGKILLs), one after the other, each
 with a time limit; the run directories are kept under --runs and read back with
@@ -45,11 +46,13 @@ TRAJ = {"replicas": 8, "grad_accum": 2, "kills_at_fraction": (0.125, 0.25, 0.375
 THRU = {"replicas": 4, "grad_accum": 8}
 
 
+PROG = "python -m experiments.paper"
 _log = functools.partial(H.say, "paper", stream=sys.stdout, with_load=False)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = H.parser("paper", __doc__.split("\n\n")[0])
+    p.prog = PROG
     p.add_argument("--exp", dest="exps", type=H.choice_list(EXPERIMENTS, what="experiment"),
                    default=EXPERIMENTS,
                    help="comma-separated subset of " + ",".join(EXPERIMENTS) + " (default all)")
@@ -194,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             dirs = RUNNERS[exp](args, runs_root / exp)
         except RuntimeError as e:
-            print(f"recover-hsdp bench paper: {exp}: {e}", file=sys.stderr)
+            print(f"{PROG}: {exp}: {e}", file=sys.stderr)
             return 1
         results[exp] = ANALYZERS[exp](args, dirs, out)
         results[exp]["bench_wall_s"] = round(time.perf_counter() - t, 1)
@@ -202,3 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(FORMATTERS[exp](results[exp]), flush=True)
     return 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())
