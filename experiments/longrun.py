@@ -1,4 +1,5 @@
-"""`recover-hsdp bench longrun`: issue 14's long run (docs/results.md section 7).
+"""`python -m experiments.longrun` (from the repository root): the long run of docs/results.md
+section 7.
 
 One resilient run of --steps (300) steps, SMALL model (recover_hsdp/tools/chaos.py), W=4 S=1 G=2
 (B=8), a DCP checkpoint every --ckpt-interval steps, run.min_replicas=2, and every way a long run
@@ -34,10 +35,8 @@ import yaml
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.paper_analysis import analyze_trajectory
 
-#: the checkout this package runs from; an installed package (no checkout above it) works in
-#: the current directory instead, never in site-packages
-REPO = (Path(__file__).resolve().parents[2]
-        if (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file() else Path.cwd())
+REPO = H.REPO   # the checkout
+PROG = "python -m experiments.longrun"
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.seq_len=32",
          "parallel.micro_batch_size=2", "optim.warmup_steps=1"]
 
@@ -47,7 +46,7 @@ def _log(msg: str) -> None:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="recover-hsdp bench longrun", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--ckpt-interval", type=int, default=25)
@@ -184,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir, info = run_resilient(args, root)
         dirs = {**run_references(args, root), "resilient": run_dir}
     except RuntimeError as e:
-        print(f"recover-hsdp bench longrun: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     v = subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "verify", str(run_dir)],
                        cwd=REPO, env=H.child_env(1), capture_output=True, text=True,
