@@ -33,7 +33,7 @@ from typing import Sequence
 import yaml
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.paper_analysis import analyze_trajectory
+from experiments.paper_analysis import analyze_trajectory
 
 REPO = H.REPO   # the checkout
 PROG = "python -m experiments.longrun"

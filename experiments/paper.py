@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import yaml
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.paper_analysis import (  # noqa: F401 (the analysis is part of the API)
+from experiments.paper_analysis import (  # noqa: F401 (the analysis is part of the API)
     ANALYZERS, FORMATTERS, _smooth, analyze_trajectory, format_trajectory)
 
 EXPERIMENTS = ("control", "trajectory", "throughput")

@@ -1,4 +1,4 @@
-"""What `recover-hsdp bench paper` makes of its run directories (recover_hsdp/bench/paper.py):
+"""What `python -m experiments.paper` makes of its run directories (experiments/paper.py):
 the timelines, the deviation and throughput figures, and the tables of each experiment.
 """
 from __future__ import annotations
