@@ -1,4 +1,4 @@
-"""What `recover-hsdp bench peers` reports from the run directories: commits, step time,
+"""What `python -m experiments.peers` reports from the run directories: commits, step time,
 kill-to-commit, losses against the failure-free run, verdicts, the table and the plot.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The six runs of `recover-hsdp bench peers` (recover_hsdp/bench/peers.py): plain gloo DDP,
+"""The six runs of `python -m experiments.peers` (experiments/peers.py): plain gloo DDP,
 torchft (DYNAMIC / FIXED_WITH_SPARES, with and without kills) and ours, each as processes
 started, killed and relaunched here, each leaving a run directory `recover-hsdp report` reads.
 """

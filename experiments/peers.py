@@ -1,4 +1,5 @@
-"""`recover-hsdp bench peers`: the same job under torchft, side by side with ours.
+"""`python -m experiments.peers` (from the repository root): the same job under torchft, side
+by side with ours.
 
 Project issue 8. Every run trains llama_debug on the embedded corpus with the same per-replica
 batch (G microbatches of mbs x seq_len tokens), the same microbatch ids (replica r: k * N + r),
@@ -61,7 +62,8 @@ from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.peers_analysis import WARM_STEPS, analyze, format_table, verdicts, write_plot
 from recover_hsdp.bench.peers_runs import MODEL, Procs, _say, run_ours, run_plain, run_torchft
 
-INSTALL_HINT = ("recover-hsdp bench peers: torchft is not installed; install it with "
+PROG = "python -m experiments.peers"
+INSTALL_HINT = (f"{PROG}: torchft is not installed; install it with "
                 "`pip install -e '.[peers]'`")
 EXIT_NO_TORCHFT = 3
 MODES = ("dynamic", "fixed")
@@ -129,6 +131,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         work_dir=("bench/results/peers_runs", "run directories (replaced on each invocation)"),
         plot_dir=(None, "write peers_loss.png and peers_steps.csv / peers_summary.json here",
                   str))
+    p.prog = PROG
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.replicas < 2:
         p.error("--replicas must be >= 2")
@@ -241,3 +244,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = result["errors"] or any(r.get("errors") for r in raw.values())
     return 1 if bad else 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""bench peers, for real: 2 torchft replica groups, 8 steps, one SIGKILL mid-all-reduce, DYNAMIC.
+"""experiments.peers, for real: 2 torchft replica groups, 8 steps, one SIGKILL mid-all-reduce, DYNAMIC.
 
 torchft-nightly is in the `test` extra (pyproject.toml), so this runs in CI; a missing torchft
 FAILS here rather than skipping.
@@ -26,14 +26,14 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_bench_peers_smoke_dynamic_one_kill(tmp_path, deadline):
+def test_peers_smoke_dynamic_one_kill(tmp_path, deadline):
     import importlib.util
 
     assert importlib.util.find_spec("torchft") is not None, \
         "torchft missing: pip install -e '.[test]' (the test extra pins torchft-nightly)"
     out = tmp_path / "peers.json"
     work = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "recover_hsdp.cli", "bench", "peers", "--replicas", "2",
+    cmd = [sys.executable, "-m", "experiments.peers", "--replicas", "2",
            "--steps", "8", "--kills", "4", "--modes", "dynamic", "--no-baselines", "--no-ours",
            "--heartbeat-timeout-ms", "1000", "--run-timeout", "80", "--time-limit", "90",
            "--out", str(out), "--work-dir", str(work)]

@@ -1,4 +1,5 @@
-"""bench peers: the pure parts (probe decoding, kill schedule, table, the torchft-missing line)."""
+"""experiments.peers: the pure parts (probe decoding, kill schedule, table, the torchft-missing
+line)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import json
 import pytest
 
 from recover_hsdp.peers.probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
-from recover_hsdp.bench import peers as bp
+from experiments import peers as bp
 from recover_hsdp.bench import peers_analysis as pa
 from recover_hsdp.bench import peers_runs as pr
 
@@ -136,7 +137,9 @@ def test_missing_torchft_is_one_line_and_exit_3(monkeypatch, capsys):
     assert len(err) == 1 and "pip install -e '.[peers]'" in err[0]
 
 
-def test_registered_as_a_bench():
+def test_left_the_bench_registry():
+    """A reproduction experiment, not installed: `recover-hsdp bench peers` names the new
+    command instead (tests/unit/test_bench_dispatch.py)."""
     from recover_hsdp import bench
 
-    assert "peers" in bench.available()
+    assert "peers" not in bench.available() and bench.MOVED["peers"] == bp.PROG
