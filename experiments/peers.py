@@ -60,7 +60,7 @@ from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.peers_analysis import WARM_STEPS, analyze, format_table, verdicts, write_plot
-from recover_hsdp.bench.peers_runs import MODEL, Procs, _say, run_ours, run_plain, run_torchft
+from experiments.peers_runs import MODEL, Procs, _say, run_ours, run_plain, run_torchft
 
 PROG = "python -m experiments.peers"
 INSTALL_HINT = (f"{PROG}: torchft is not installed; install it with "

@@ -9,7 +9,7 @@ import pytest
 from recover_hsdp.peers.probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
 from experiments import peers as bp
 from recover_hsdp.bench import peers_analysis as pa
-from recover_hsdp.bench import peers_runs as pr
+from experiments import peers_runs as pr
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4, 5])
