@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.peers_analysis import WARM_STEPS, analyze, format_table, verdicts, write_plot
+from experiments.peers_analysis import WARM_STEPS, analyze, format_table, verdicts, write_plot
 from experiments.peers_runs import MODEL, Procs, _say, run_ours, run_plain, run_torchft
 
 PROG = "python -m experiments.peers"

@@ -8,7 +8,7 @@ import pytest
 
 from recover_hsdp.peers.probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
 from experiments import peers as bp
-from recover_hsdp.bench import peers_analysis as pa
+from experiments import peers_analysis as pa
 from experiments import peers_runs as pr
 
 
