@@ -18,7 +18,7 @@ our AdamW + lr schedule, seed 0 and one torch thread per process, N replica grou
 torchft set-up (tuned for speed, ../shared/notes/peers.md): a local `torchft_lighthouse` on
 127.0.0.1 (--quorum_tick_ms, --join_timeout_ms), per replica its own TCPStore, ProcessGroupGloo
 with --pg-timeout, Manager + torchft DistributedDataParallel (DDP, not FSDP2) + the torchft
-Optimizer wrapper (recover_hsdp/peers/torchft_worker.py). DYNAMIC: lighthouse and Manager
+Optimizer wrapper (experiments/peers_worker.py). DYNAMIC: lighthouse and Manager
 min_replicas 1, the divisor is the number of participating replicas. FIXED_WITH_SPARES:
 min_replica_size = --fixed-active (default N - 1): N - 1 replicas contribute, the rest are spares
 that all-reduce zeros, so the global batch is (N - 1) x G, constant while >= N - 1 replicas live.

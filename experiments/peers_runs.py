@@ -138,12 +138,13 @@ def run_plain(args, procs: Procs, run_dir: Path, deadline: float) -> dict:
 
 
 def _spawn(procs: Procs, run_dir: Path, spec: dict, pass_fds: Sequence[int] = ()):
-    """One torchft_worker process of replica spec["replica"], attempt spec["attempt"]."""
+    """One torchft worker process (experiments/peers_worker.py; the checkout is on the child's
+    PYTHONPATH, harness.child_env) of replica spec["replica"], attempt spec["attempt"]."""
     name = f"r{spec['replica']}a{spec['attempt']}"
     path = run_dir / "launch" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
-    return procs.popen([sys.executable, "-m", "recover_hsdp.peers.torchft_worker", str(path)],
+    return procs.popen([sys.executable, "-m", "experiments.peers_worker", str(path)],
                        run_dir / "logs" / f"{name}.log", env=_env(), pass_fds=pass_fds)
 
 

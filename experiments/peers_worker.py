@@ -1,8 +1,9 @@
-"""One replica-group process under torchft, or one rank of a plain gloo DDP job.
+"""The torchft worker: one replica-group process under torchft, or one rank of a plain gloo DDP
+job (started by experiments/peers_runs.py, from the repository root or with it on PYTHONPATH):
 
-    python -m recover_hsdp.peers.torchft_worker SPEC.json
+    python -m experiments.peers_worker SPEC.json
 
-SPEC (written by `recover_hsdp.bench.peers`): mode ("torchft_dynamic" | "torchft_fixed" |
+SPEC (written by `experiments.peers`): mode ("torchft_dynamic" | "torchft_fixed" |
 "plain_ddp"), replica, replicas (N), attempt, run_dir, steps, grad_accum (G), seed, model / data /
 optim (the same mappings `recover-hsdp train` resolves), lighthouse ("http://127.0.0.1:PORT"),
 min_replica_size, pg_timeout_s, bucket_cap_mb, kill ({step, bucket} or null), notify_fd,
@@ -290,6 +291,6 @@ def _killable_ddp_class(base):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m recover_hsdp.peers.torchft_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m experiments.peers_worker SPEC.json", file=sys.stderr)
         sys.exit(2)
     sys.exit(main(sys.argv[1]))
