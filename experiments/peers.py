@@ -22,7 +22,7 @@ Optimizer wrapper (experiments/peers_worker.py). DYNAMIC: lighthouse and Manager
 min_replicas 1, the divisor is the number of participating replicas. FIXED_WITH_SPARES:
 min_replica_size = --fixed-active (default N - 1): N - 1 replicas contribute, the rest are spares
 that all-reduce zeros, so the global batch is (N - 1) x G, constant while >= N - 1 replicas live.
-A probe parameter (recover_hsdp/peers/probe.py) reveals per step the divisor torchft applied and
+A probe parameter (experiments/peers_probe.py) reveals per step the divisor torchft applied and
 the replicas in the sum.
 
 Measured (per run, from its run directory; commit time of a step = its FIRST commit over ranks):

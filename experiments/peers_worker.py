@@ -56,7 +56,7 @@ _KILL_CB = None   # set by main(); called with the DDP bucket index from the com
 
 
 class ProbedLoss(nn.Module):
-    """The model plus three scalar probes (recover_hsdp.peers.probe); forward returns the loss.
+    """The model plus three scalar probes (experiments.peers_probe); forward returns the loss.
 
     The probes enter through forward (not added afterwards) so that DDP's graph traversal finds
     them used; they are 0, so the loss value is the model's.
@@ -87,7 +87,7 @@ def _build(spec: dict):
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.model import build_model
     from recover_hsdp.optim import build_optimizer
-    from recover_hsdp.peers.probe import probe_weight
+    from experiments.peers_probe import probe_weight
 
     par = {"seq_len": spec["seq_len"], "micro_batch_size": spec["micro_batch_size"],
            "shard_size": 1}
@@ -126,7 +126,7 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
     from recover_hsdp.optim import lr_at, set_lr
-    from recover_hsdp.peers.probe import decode_probe
+    from experiments.peers_probe import decode_probe
     from recover_hsdp.record import JsonlAppender, StepRecord
 
     mode = spec["mode"]

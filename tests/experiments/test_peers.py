@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from recover_hsdp.peers.probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
+from experiments.peers_probe import ProbeDecodeError, all_readings, decode_probe, probe_weight
 from experiments import peers as bp
 from experiments import peers_analysis as pa
 from experiments import peers_runs as pr

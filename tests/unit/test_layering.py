@@ -34,8 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.launch",),                      # mpirun line, rank env, the store process
     ("recover_hsdp.config",),                      # compose, resolve, validate; config -> objects
     ("recover_hsdp.jobs", "recover_hsdp.hsdp.trainer"),   # a launched job; the per-rank worker
-    ("recover_hsdp.baselines", "recover_hsdp.peers", "recover_hsdp.verify", "recover_hsdp.sim",
-     "recover_hsdp.resume"),
+    ("recover_hsdp.baselines", "recover_hsdp.verify", "recover_hsdp.sim", "recover_hsdp.resume"),
     ("recover_hsdp.train",),                       # `recover-hsdp train`
     ("recover_hsdp.tools",),                       # commands: verify, report, plan, ...
     ("recover_hsdp.bench",),                       # benchmarks on one harness; read tools' report
