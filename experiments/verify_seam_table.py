@@ -1,6 +1,6 @@
 """The B = 4 rows of docs/verify.md's sensitivity table: REAL trainer runs with one wrong step each.
 
-    python -m recover_hsdp.verify.seam_table --out /tmp/seam --json seam.json   # ~3-6 min, 2 cores
+    python -m experiments.verify_seam_table --out /tmp/seam --json seam.json   # ~3-6 min, 2 cores
 
 Each run is `recover-hsdp train` (mpirun --with-ft ulfm, W=2 G=2, the small chaos model,
 parameters saved every step) with the test-only fault seam (recover_hsdp/faults/seam.py) and then
@@ -49,7 +49,7 @@ def _margins(st: dict) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recover_hsdp.verify.seam_table")
+    ap = argparse.ArgumentParser(prog="python -m experiments.verify_seam_table")
     ap.add_argument("--out", default="/tmp/seam_table")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--optim", nargs="+", default=list(OPTIMS), choices=list(OPTIMS))
