@@ -1,12 +1,12 @@
 """verify rejects single faults injected into the RUN (not the record), at the step of the fault,
 with AdamW and with SGD; the honest control run passes. The full table (B = 64 and 512) is
-`python -m recover_hsdp.verify.sensitivity` (docs/verify.md, "Sensitivity"); this is its B = 8
+`python -m experiments.verify_sensitivity` (docs/verify.md, "Sensitivity"); this is its B = 8
 (W = 4 x G = 2, replica 3 killed at step 1) slice."""
 from __future__ import annotations
 
 import pytest
 
-from recover_hsdp.verify.sensitivity import FAULTS, run_case
+from experiments.verify_sensitivity import FAULTS, run_case
 from recover_hsdp.verify.synthetic import write_sample_corpus
 
 

@@ -1,10 +1,11 @@
 """Verify's proven sensitivity: single faults injected into the RUN (not the record).
 
-    python -m recover_hsdp.verify.sensitivity [--B 64 512] [--optim adamw sgd] [--json out.json]
+    python -m experiments.verify_sensitivity [--B 64 512] [--optim adamw sgd] [--json out.json]
 
-For every global batch B, optimizer and fault kind, a synthetic run (``synthetic.py``: the real
-policy, HSDP summation order, W replicas x G microbatches, one replica killed at step 1's
-synchronisation: a boundary step) commits ONE wrong gradient at step 1 under a correct record:
+For every global batch B, optimizer and fault kind, a synthetic run (``verify_synthetic.py``:
+the real policy, HSDP summation order, W replicas x G microbatches, one replica killed at step
+1's synchronisation: a boundary step) commits ONE wrong gradient at step 1 under a correct
+record:
 
 * ``extra_mb``   one microbatch more than recorded (an unrecorded id of the last replica's slice);
 * ``drop_mb``    one recorded microbatch left out (the sum has B - 1, the divisor stays B);
@@ -15,9 +16,9 @@ synchronisation: a boundary step) commits ONE wrong gradient at step 1 under a c
 Each run is then verified as ``recover-hsdp verify`` does (replay, default tolerances). The
 table gives, per row, the step at which verify rejected the run and two margins at that step
 (> 1 = rejected): the default tolerance's (the larger of max_abs / tol and max_rms / rms_tol)
-and the strict per-coordinate check's (``strict.py``: max |diff| / derived bound); an honest
-control run (same config, no fault) gives the honest margins over all its steps (< 1). A fault
-is detected when verify fails AT step 1.
+and the strict per-coordinate check's (``recover_hsdp/verify/strict.py``: max |diff| / derived
+bound); an honest control run (same config, no fault) gives the honest margins over all its
+steps (< 1). A fault is detected when verify fails AT step 1.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _g(x) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recover_hsdp.verify.sensitivity")
+    p = argparse.ArgumentParser(prog="python -m experiments.verify_sensitivity")
     p.add_argument("--B", type=int, nargs="+", default=[64, 512])
     p.add_argument("--optim", nargs="+", default=["adamw", "sgd"], choices=("adamw", "sgd"))
     p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
