@@ -1,14 +1,14 @@
 """Calibrate (and re-check) verify's default tolerances on synthetic runs.
 
-    python -m recover_hsdp.verify.calibrate --out /tmp/calib [--quick] [--json calib.json]
+    python -m experiments.verify_calibrate --out /tmp/calib [--quick] [--json calib.json]
 
-Each case writes a synthetic run (``synthetic.write_synthetic_run``, HSDP summation order) and
-replays it with verify's engine with the tolerances switched off, recording per step the element
-statistic k_max = max|diff| / sqrt(sum lr^2) and the bulk statistic k_rms = max over flat params of
-RMS|diff| / sqrt(sum lr^2). Honest cases give the constants (DEFAULT_C, DEFAULT_C_RMS are the
-largest honest values times a safety factor); corrupted cases (a wrong gradient committed under a
-correct record) give the margin = statistic at the corrupted step / default tolerance there.
-docs/verify.md quotes the table this prints.
+Each case writes a synthetic run (``verify_synthetic.write_synthetic_run``, HSDP summation
+order) and replays it with verify's engine with the tolerances switched off, recording per step
+the element statistic k_max = max|diff| / sqrt(sum lr^2) and the bulk statistic k_rms = max over
+flat params of RMS|diff| / sqrt(sum lr^2). Honest cases give the constants (DEFAULT_C,
+DEFAULT_C_RMS are the largest honest values times a safety factor); corrupted cases (a wrong
+gradient committed under a correct record) give the margin = statistic at the corrupted step /
+default tolerance there. docs/verify.md quotes the table this prints.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def run_case(case: Case, root: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recover_hsdp.verify.calibrate")
+    p = argparse.ArgumentParser(prog="python -m experiments.verify_calibrate")
     p.add_argument("--out", required=True, help="scratch directory for the synthetic runs")
     p.add_argument("--quick", action="store_true", help="a few small cases (about a minute)")
     p.add_argument("--only", default=None, help="run only cases whose name contains this")
