@@ -50,7 +50,7 @@ def long_cases(steps: int = 200) -> list[Case]:
 
 
 def cases(quick: bool) -> list[Case]:
-    from recover_hsdp.verify.synthetic import Corruption as C
+    from experiments.verify_synthetic import Corruption as C
 
     fail = {5: [1]}
     out = [
@@ -92,8 +92,8 @@ def cases(quick: bool) -> list[Case]:
 def run_case(case: Case, root: Path) -> dict:
     from recover_hsdp.model import LLAMA_DEBUG
     from recover_hsdp.verify.replay import verify_run
-    from recover_hsdp.verify.synthetic import (SyntheticRun, small_data_config, tiny_model_config,
-                                               write_sample_corpus, write_synthetic_run)
+    from experiments.verify_synthetic import (SyntheticRun, small_data_config, tiny_model_config,
+                                              write_sample_corpus, write_synthetic_run)
     from recover_hsdp.verify.tolerance import DEFAULT_C, DEFAULT_C_RMS, ulp_floor
 
     corpus = root / f"corpus{case.corpus_chars}.jsonl"

@@ -37,9 +37,9 @@ def run_case(root: Path, B: int, optim: str, fault: str | None, *, steps: int = 
              fault_step: int = 1, lr: float = 1e-3, corpus: Path, cache: Path,
              strict: bool = True) -> dict:
     from recover_hsdp.verify.replay import verify_run
-    from recover_hsdp.verify.synthetic import (DEFAULT_OPTIM, Corruption, SyntheticRun,
-                                               small_data_config, tiny_model_config,
-                                               write_synthetic_run)
+    from experiments.verify_synthetic import (DEFAULT_OPTIM, Corruption, SyntheticRun,
+                                              small_data_config, tiny_model_config,
+                                              write_synthetic_run)
 
     W, G = SHAPES[B] if B in SHAPES else (B // 8, 8)
     name = f"B{B}-{optim}-{fault or 'honest'}"
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from recover_hsdp.verify.synthetic import write_sample_corpus
+    from experiments.verify_synthetic import write_sample_corpus
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="verify-sensitivity-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.verify_sensitivity import FAULTS, run_case
-from recover_hsdp.verify.synthetic import write_sample_corpus
+from experiments.verify_synthetic import write_sample_corpus
 
 
 @pytest.fixture(scope="module")

@@ -381,14 +381,14 @@ def small_data_config(corpus: str | Path, cache_dir: str | Path, *, seq_len: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m recover_hsdp.verify.synthetic RUN_DIR [--w 4 --g 2 --s 2 --steps 6
+    """python -m experiments.verify_synthetic RUN_DIR [--w 4 --g 2 --s 2 --steps 6
     --fail STEP:REPLICA[+REPLICA] ... --corrupt KIND:STEP[:BUCKET] ...]"""
     import argparse
     import sys
 
     from recover_hsdp.model import get_config
 
-    p = argparse.ArgumentParser(prog="python -m recover_hsdp.verify.synthetic",
+    p = argparse.ArgumentParser(prog="python -m experiments.verify_synthetic",
                                 description="write a synthetic ReCoVer run directory")
     p.add_argument("run_dir")
     p.add_argument("--w", type=int, default=4, help="W_init replicas")
