@@ -1,6 +1,6 @@
 """One short prepared check of the GPU-only paths, for a session that is lent a GPU machine.
 
-    .venv/bin/python bench/gpu_check.py        # exits 0 and prints OK lines, or raises
+    .venv/bin/python -m experiments.gpu_check   # from the repository root: OK lines, or raises
 
 CI has no GPU, so these paths are kept correct by construction and checked here when a device is
 available: the side-CUDA-stream rewind ordering (recovery layer) and the ulfm backend's handling of
