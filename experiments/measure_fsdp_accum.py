@@ -1,6 +1,6 @@
 """Measurements behind the microbatch-accumulation decision (docs/hsdp.md). Not a CI test.
 
-    RECOVER_HSDP_MEASURE=1 .venv/bin/python -m pytest tests/unit/test_fsdp_hybrid_measure.py -s
+    RECOVER_HSDP_MEASURE=1 .venv/bin/python -m pytest experiments/measure_fsdp_accum.py -s
 
 2 ranks, one replica of shard size 2 (1x2), gloo on CPU, G=8 microbatches per step. For each way
 of accumulating -- (a) reduce-scatter every microbatch into the sharded fp32 accumulator,
