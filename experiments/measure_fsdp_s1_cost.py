@@ -1,6 +1,6 @@
 """One process, one thread: forward+backward of llama_debug on a 2 x 64-token microbatch, plain
 module vs the resilient trainer's FSDP wrapping at shard size 1 (NO_SHARD units over a size-1 gloo
-group). Run from the repository root: `PYTHONPATH=. .venv/bin/python bench/measure_fsdp_s1_cost.py`.
+group). Run from the repository root: `.venv/bin/python -m experiments.measure_fsdp_s1_cost`.
 The number behind docs/results.md section 5's overhead attribution."""
 import os, time, statistics, torch, torch.distributed as dist
 os.environ.setdefault("MASTER_ADDR","127.0.0.1"); os.environ.setdefault("MASTER_PORT","29677")
