@@ -7,7 +7,7 @@ by the relaunch), the steps lost, and the step time before / degraded / after.
         "failures.schedule=[{step: 3, replica: 1, local_rank: 0, location: reduce, bucket: 1}]" \\
         model.d_model=64 model.n_layers=2 model.ffn_dim=160 parallel.seq_len=32 \\
         parallel.micro_batch_size=2 optim.warmup_steps=1
-    python bench/probes/rejoin_restart_timing.py /tmp/rj0
+    python experiments/probes/rejoin_restart_timing.py /tmp/rj0
 
 A step's commit time is the latest of its ranks' commit times (`local.time`); its step time the
 longest `wall_s` of its ranks. "Steps lost" = steps never committed + step lines discarded by a

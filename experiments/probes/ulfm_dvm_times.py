@@ -1,8 +1,8 @@
 """Figures from ulfm_dvm_run.sh output (issue 15): per scenario, median (min, max, n) of
 newcomer launch -> MPI up, Connect, Merge, kill -> last survivor's detection, shrink, root Accept.
 
-    bash bench/probes/ulfm_dvm_run.sh ok a e ok a e ok a e > /tmp/dvm.txt 2>&1
-    python bench/probes/ulfm_dvm_times.py /tmp/dvm.txt
+    bash experiments/probes/ulfm_dvm_run.sh ok a e ok a e ok a e > /tmp/dvm.txt 2>&1
+    python experiments/probes/ulfm_dvm_times.py /tmp/dvm.txt
 """
 import re, statistics as st, sys
 

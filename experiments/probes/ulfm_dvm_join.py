@@ -1,6 +1,6 @@
 """Probe (issue 15): a newcomer started as a SEPARATE job joins a running ULFM job through a
 persistent PRRTE DVM (MPI_Open_port / Accept <- Connect, then Intercomm_merge), and what a
-failure does. See bench/probes/ulfm_dvm_run.sh for the commands (it starts its own DVM).
+failure does. See experiments/probes/ulfm_dvm_run.sh for the commands (it starts its own DVM).
 
 Roles (argv[1]): A = the running job (3 ranks), B = the newcomer (1 rank), solo = job A alone
 with rank 2 SIGKILLed (is ULFM live on a DVM job at all?). Scenario in $SCEN:
@@ -23,7 +23,7 @@ with rank 2 SIGKILLed (is ULFM live on a DVM job at all?). Scenario in $SCEN:
 Every rank prints `[role rank] what t=... at=...` lines (at = wall clock mod 1000, to line up
 the two jobs); the run script's `timeout` bounds every wait.
 
-    bash bench/probes/ulfm_dvm_run.sh solo ok a b c c2 d e i ic im a2
+    bash experiments/probes/ulfm_dvm_run.sh solo ok a b c c2 d e i ic im a2
 
 Seen 2026-12-01 (Open MPI 5.0.11 / PRRTE 3.0.14 from PyPI, 2 cores, load 15-19):
   solo  rank 2 killed: ranks 0, 1 get ERR_PROC_FAILED (75), revoke, shrink -> 2, go on, rc 0;

@@ -1,6 +1,6 @@
 """Probe (issue 15): can survivors MPI_Comm_spawn a newcomer after a ULFM shrink and merge it?
 
-    mpirun --with-ft ulfm --oversubscribe -n 4 python bench/probes/ulfm_spawn_after_shrink.py
+    mpirun --with-ft ulfm --oversubscribe -n 4 python experiments/probes/ulfm_spawn_after_shrink.py
 
 Rank 2 SIGKILLs itself; the others revoke + shrink (4 -> 3), spawn one process, merge, allreduce.
 Seen 2026-11-30 (Open MPI 5.0.11): works; shrink 2-12 ms, spawn 1.18 s, merged allreduce = 4.

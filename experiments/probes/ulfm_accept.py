@@ -1,7 +1,7 @@
 """Probe (issue 15), server half: accept a newcomer from a SEPARATE mpirun (connect/accept).
 
-    mpirun --with-ft ulfm --oversubscribe -n 3 python bench/probes/ulfm_accept.py &
-    mpirun --with-ft ulfm --oversubscribe -n 1 python bench/probes/ulfm_connect.py
+    mpirun --with-ft ulfm --oversubscribe -n 3 python experiments/probes/ulfm_accept.py &
+    mpirun --with-ft ulfm --oversubscribe -n 1 python experiments/probes/ulfm_connect.py
 
 Seen 2026-11-30 (Open MPI 5.0.11, two independent mpiruns, no shared PRRTE DVM / ompi-server):
 Accept/Connect never complete (both time out at 30-40 s).

@@ -3,7 +3,7 @@
     recover-hsdp train parallel.replicas=3 parallel.standby=1 parallel.grad_accum=2 run.steps=10 \\
         run.output_dir=/tmp/rejoin failures.schedule=KILLS.yaml model.d_model=64 model.n_layers=2 \\
         model.ffn_dim=160 parallel.seq_len=32 parallel.micro_batch_size=2 optim.warmup_steps=1
-    python bench/probes/rejoin_timing.py /tmp/rejoin
+    python experiments/probes/rejoin_timing.py /tmp/rejoin
 
 (KILLS.yaml: ``- {step: 3, replica: 1, local_rank: 0, location: reduce, bucket: 1}``.) Prints the
 kill time, the join, the seconds from the SIGKILL to the commit of the first step the newcomer

@@ -1,6 +1,6 @@
 """Probe (issue 15): MPI Sessions as the join path between two jobs on one PRRTE DVM.
 
-    bash bench/probes/ulfm_dvm_sessions.sh        # starts its own DVM, runs A (3) then B (1)
+    bash experiments/probes/ulfm_dvm_sessions.sh        # starts its own DVM, runs A (3) then B (1)
 
 Each process (no MPI_Init: MPI_Session_init only) lists the process sets it can see. Job A is
 launched with `--pset trainers`, job B with `--pset joiners`; if each sees the other's pset,

@@ -1,6 +1,6 @@
 """Probe (issue 15): is the death of a SPAWNED newcomer survivable under ULFM?
 
-    KEYS=pmix.continuous mpirun -x KEYS --with-ft ulfm --oversubscribe -n 3 python bench/probes/ulfm_spawned_dies.py
+    KEYS=pmix.continuous mpirun -x KEYS --with-ft ulfm --oversubscribe -n 3 python experiments/probes/ulfm_spawned_dies.py
 
 The survivors spawn + merge one process which SIGKILLs itself after joining. Seen 2026-11-30
 (Open MPI 5.0.11): prterun "noticed that process rank 0 ... exited on signal 9" and ABORTS THE
