@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tf_version = version("torchft-nightly")
     except Exception:
         tf_version = "?"
-    result = H.result("peers", argv, args, torch=torch.__version__, torchft=tf_version,
+    result = H.result("peers", argv, args, prog=PROG, torch=torch.__version__, torchft=tf_version,
                       replicas=args.replicas, G=args.grad_accum, kills=args.kill_list,
                       relaunch_delay=args.relaunch_delay, runs={}, pids=[])
     work = Path(args.work_dir)

@@ -160,7 +160,8 @@ def verdicts(rows: dict[str, dict]) -> dict:
 def format_table(result: dict) -> str:
     rows: dict[str, dict] = result.get("runs", {})
     plain = (rows.get("plain_ddp") or {}).get("step_interval_s")
-    lines = H.header(result, "peers", f", torchft {result.get('torchft', '?')}") + [
+    lines = H.header(result, "peers", f", torchft {result.get('torchft', '?')}",
+                     prog="python -m experiments.peers") + [
              f"N={result.get('replicas')} replica groups x 1 process, G={result.get('G')}, "
              f"kills {result.get('kills')} (torchft: relaunched after "
              f"{result.get('relaunch_delay')} s; ours_kills: not relaunched; ours_standby: "
