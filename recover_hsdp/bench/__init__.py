@@ -4,7 +4,9 @@ Each benchmark is a module of this package named by one word, exposing ``main(ar
 and saying in its docstring what it measures; ``<name>_<part>`` modules are parts of benchmark
 ``<name>`` (its worker, its runs, its analysis); what every benchmark needs (arguments, launching
 jobs, interleaved repeats, medians, the table, the JSON) is :mod:`recover_hsdp.bench.harness`. They print numbers
-(medians, ratios against a baseline measured in the same run); they are not timed tests.
+(medians, ratios against a baseline measured in the same run); they are not timed tests. The
+reproduction experiments (the paper's runs, the torchft side by side, the long run) are not here:
+they are in the checkout's experiments/, not installed (MOVED names their commands).
 """
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ import importlib
 import pkgutil
 import sys
 
-# Whole experiments (tens of minutes, optional extras): run by name, not by `bench all`.
+# Whole runs (tens of minutes, a device): run by name, not by `bench all`.
 
 HARNESS = "harness"
-EXPERIMENTS = ("paper", "peers", "gpu", "longrun")
+EXPERIMENTS = ("gpu",)
+
+#: The reproduction experiments that left the package for the checkout's experiments/ (not
+#: installed): the command that runs each now, from the repository root.
+MOVED = {"paper": "python -m experiments.paper", "longrun": "python -m experiments.longrun",
+         "peers": "python -m experiments.peers"}
 
 
 def available() -> list[str]:
@@ -32,17 +39,22 @@ def main(argv: list[str]) -> int:
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: recover-hsdp bench {all|" + "|".join(names) + "} [args...]   "
-              "(all = every one except the experiments " + ", ".join(EXPERIMENTS) + ")")
+              "(all = every one except " + ", ".join(EXPERIMENTS) + ", run by name)")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "all":
         rc = 0
-        print("bench all: the micro-benchmarks; run the experiments by name: "
+        print("bench all: the micro-benchmarks; run by name: "
               + ", ".join(f"recover-hsdp bench {n}" for n in EXPERIMENTS), flush=True)
         for n in (n for n in names if n not in EXPERIMENTS):
             print(f"== bench {n} ==", flush=True)
             rc |= int(_module(n).main([]) or 0)
         return rc
+    if name in MOVED:
+        print(f"recover-hsdp bench {name}: moved out of the package (a reproduction experiment, "
+              f"not installed): from a checkout's root run `{MOVED[name]}` (docs/results.md)",
+              file=sys.stderr)
+        return 2
     if name not in names:
         print(f"recover-hsdp bench: unknown benchmark {name!r} (have: {', '.join(names)})",
               file=sys.stderr)

@@ -112,9 +112,11 @@ def choice_list(choices: Sequence[str], *, all_word: str | None = "all",
 # ---------------------------------------------------------------------------------------------
 # Progress lines, machine, JSON
 # ---------------------------------------------------------------------------------------------
-def command_line(name: str, argv: Sequence[str] | None) -> str:
-    """The command as the user typed it: ``recover-hsdp bench NAME ARGS``."""
-    return f"recover-hsdp bench {name} {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+def command_line(name: str, argv: Sequence[str] | None, prog: str | None = None) -> str:
+    """The command as the user typed it: ``recover-hsdp bench NAME ARGS`` (``prog`` instead of
+    ``recover-hsdp bench NAME`` for a program of its own, e.g. ``python -m experiments.peers``)."""
+    args = shlex.join(sys.argv[1:] if argv is None else argv)
+    return f"{prog or f'recover-hsdp bench {name}'} {args}".strip()
 
 
 def load() -> list[float]:
@@ -139,10 +141,11 @@ def machine(**extra: Any) -> dict:
     return out
 
 
-def result(name: str, argv: Sequence[str] | None, args: argparse.Namespace, **extra: Any) -> dict:
-    """A benchmark's JSON head: its command, :func:`machine`, when it started, its arguments,
-    no errors yet, then ``extra``."""
-    return {"command": command_line(name, argv), **machine(),
+def result(name: str, argv: Sequence[str] | None, args: argparse.Namespace, *,
+           prog: str | None = None, **extra: Any) -> dict:
+    """A benchmark's JSON head: its command (:func:`command_line`), :func:`machine`, when it
+    started, its arguments, no errors yet, then ``extra``."""
+    return {"command": command_line(name, argv, prog), **machine(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args), "errors": [],
             **extra}
 
@@ -228,10 +231,11 @@ def load_text(x: Sequence[float] | None) -> str:
     return "-" if not x else "/".join(f"{v:.1f}" for v in x)
 
 
-def header(result: dict, name: str, versions: str = "") -> list[str]:
-    """A report's first two lines: the command, then host, cpus, torch (+``versions``), the load
-    at start and end, and the wall time (the keys :func:`machine` and the benchmark write)."""
-    return [f"recover-hsdp bench {name}   ({result.get('command', '')})",
+def header(result: dict, name: str, versions: str = "", prog: str | None = None) -> list[str]:
+    """A report's first two lines: the command (``prog`` as in :func:`command_line`), then host,
+    cpus, torch (+``versions``), the load at start and end, and the wall time (the keys
+    :func:`machine` and the benchmark write)."""
+    return [f"{prog or f'recover-hsdp bench {name}'}   ({result.get('command', '')})",
             f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
             f"{result.get('torch', '?')}{versions}; load (1/5/15 min) at start "
             f"{load_text(result.get('load_start'))}, at end {load_text(result.get('load_end'))}; "

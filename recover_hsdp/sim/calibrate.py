@@ -158,7 +158,7 @@ def calibrate(paths: list[str], tokens_per_mb: int, cost: CostModel | None = Non
 
 # ---- validation: the throughput experiment of docs/results.md, section 2 -------------------
 def throughput_kills(n: int, w: int, g: int) -> list[Failure]:
-    """Kills at steps 1.5N, 2.5N, ... of replicas W-1, W-2, ... (bench_paper), as the role that
+    """Kills at steps 1.5N, 2.5N, ... of replicas W-1, W-2, ... (experiments/paper.py), as the role that
     replica holds under the policy (roles_for_layout after each algorithm 7)."""
     model, out = CountModel(w, g), []
     for i in range(w - 1):

@@ -3,10 +3,11 @@
 * ``verify_run(run_dir, ...) -> VerifyResult`` replays every committed step in one process over
   exactly the recorded microbatch ids and compares the parameters with the run's snapshots.
 * ``check_records(steps, w_init=, B=, policy=)``: the record-level invariants alone (no torch).
-* ``recover_hsdp.verify.synthetic``: write synthetic run directories (tests, calibration,
-  benchmarks), optionally with a wrong gradient committed under a correct record.
+* synthetic run directories (tests, calibration), optionally with a wrong gradient committed
+  under a correct record, are written by the checkout's experiments/verify_synthetic.py (not
+  installed).
 
-torch is imported only by the replay and the synthetic writer.
+torch is imported only by the replay.
 """
 from __future__ import annotations
 

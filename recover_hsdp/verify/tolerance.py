@@ -16,10 +16,10 @@ coordinates, and barely at all in the bulk. Two statistics, both scaled by the l
 The window is every replayed step (or, with anchoring, the steps since the last snapshot the
 replay was re-synchronised to). ``floor`` = a few fp32 ulps of the largest parameter (one rounding
 of p - update). C_MAX and C_RMS are calibrated on synthetic runs trained in the HSDP summation
-order (``python -m recover_hsdp.verify.calibrate``): the largest honest ratio times a safety
-factor. A wrong gradient (a bucket re-reduced on top of its reduced sum, a microbatch swapped or
-counted twice) moves a whole flat parameter by O(0.1 lr) RMS in one step: two to three orders of
-magnitude above the honest bulk, which is why the bulk statistic is the sharp one.
+order (``python -m experiments.verify_calibrate`` in a checkout): the largest honest ratio times
+a safety factor. A wrong gradient (a bucket re-reduced on top of its reduced sum, a microbatch
+swapped or counted twice) moves a whole flat parameter by O(0.1 lr) RMS in one step: two to three
+orders of magnitude above the honest bulk, which is why the bulk statistic is the sharp one.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ assigned. W=2 G=2 (B=4), parameters saved every step. SGD (no momentum: stateles
 faults in ONE fp32 run at S=1, and `verify --keep-going` must fail exactly the four faulty steps
 and pass the honest ones; so does AdamW with betas (0, 0) (stateless) in a bf16 run at S=2. (With
 the default betas a fault contaminates the moments of every later step, so each kind needs its
-own run: the table in docs/verify.md, `python -m recover_hsdp.verify.seam_table`.) The record
+own run: the table in docs/verify.md, `python -m experiments.verify_seam_table`.) The record
 alone cannot tell (--records-only passes).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The bench harness: its child-process runner (`harness.run_logged`, used by `bench gpu` and
-`bench paper`): the log starts with the command, the exit code comes back, and a child past its
-timeout is killed with its whole process group (exit code 124)."""
+experiments/paper.py): the log starts with the command, the exit code comes back, and a child
+past its timeout is killed with its whole process group (exit code 124)."""
 from __future__ import annotations
 
 import os

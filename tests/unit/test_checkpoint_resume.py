@@ -198,10 +198,10 @@ def test_report_marks_resume_steps(tmp_path):
     assert _resume_steps(NS(run_dir=tmp_path / "missing")) == []
 
 
-def test_bench_longrun_plan_and_table():
-    """`recover-hsdp bench longrun` (docs/results.md section 7): the interruptions fall inside
+def test_longrun_plan_and_table():
+    """`python -m experiments.longrun` (docs/results.md section 7): the interruptions fall inside
     the run in order, bad arguments are refused, and the committed result formats."""
-    from recover_hsdp.bench import longrun
+    from experiments import longrun
 
     pl = longrun.plan(300)
     kills = [s for s, _ in pl["kills_seg0"]]

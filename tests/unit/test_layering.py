@@ -1,6 +1,6 @@
 """The package keeps its shape (docs/architecture.md): layers import downward only, no module
 imports a ``_private`` name from another package, no import circles, no file too long to hold in
-one's head. Checked on the source (every import, the ones inside functions included), so nothing
+one's head, nothing imports the checkout's experiments/ (not installed). Checked on the source (every import, the ones inside functions included), so nothing
 is imported to run this test.
 
 Each rule is a function over a source tree; the last tests plant a violation of each rule in a
@@ -34,8 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.launch",),                      # mpirun line, rank env, the store process
     ("recover_hsdp.config",),                      # compose, resolve, validate; config -> objects
     ("recover_hsdp.jobs", "recover_hsdp.hsdp.trainer"),   # a launched job; the per-rank worker
-    ("recover_hsdp.baselines", "recover_hsdp.peers", "recover_hsdp.verify", "recover_hsdp.sim",
-     "recover_hsdp.resume"),
+    ("recover_hsdp.baselines", "recover_hsdp.verify", "recover_hsdp.sim", "recover_hsdp.resume"),
     ("recover_hsdp.train",),                       # `recover-hsdp train`
     ("recover_hsdp.tools",),                       # commands: verify, report, plan, ...
     ("recover_hsdp.bench",),                       # benchmarks on one harness; read tools' report
@@ -194,6 +193,30 @@ def cycles(root: pathlib.Path) -> list[list[str]]:
     return out
 
 
+#: Top-level folders of the checkout that are not installed (docs/architecture.md): the package
+#: must run without them, so nothing in it imports them.
+NOT_INSTALLED = ("experiments",)
+
+
+def not_installed_imports(root: pathlib.Path) -> list[str]:
+    """Imports, anywhere in the package (functions included), of a top-level folder that is not
+    installed (NOT_INSTALLED)."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(path, root)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for n in names:
+                if n.split(".")[0] in NOT_INSTALLED:
+                    bad.append(f"{mod} (line {node.lineno}) imports {n} (not installed)")
+    return bad
+
+
 def long_files(root: pathlib.Path, allowed: dict[str, str] = LONG_FILES) -> list[str]:
     bad = []
     for path in sorted(root.rglob("*.py")):
@@ -221,6 +244,10 @@ def test_no_private_names_cross_packages():
 
 def test_no_import_circles():
     assert cycles(ROOT) == []
+
+
+def test_nothing_imports_the_experiments():
+    assert not_installed_imports(ROOT) == []
 
 
 def test_files_fit_in_a_head():
@@ -269,6 +296,12 @@ def test_planted_circle_is_caught(tree):
     # the circle issue 18 removed: checkpoint_restart took exit codes back from train
     _plant(tree, "baselines/checkpoint_restart.py", "from recover_hsdp.train import EXIT_OK")
     assert ["recover_hsdp.baselines", "recover_hsdp.train"] in cycles(tree)
+
+
+def test_planted_experiments_import_is_caught(tree):
+    _plant(tree, "bench/harness.py", "from experiments import paper")
+    assert any("recover_hsdp.bench.harness" in b and "experiments" in b
+               for b in not_installed_imports(tree))
 
 
 def test_planted_long_file_is_caught(tree):

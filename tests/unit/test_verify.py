@@ -1,6 +1,6 @@
 """`recover-hsdp verify` end to end on synthetic run directories.
 
-The synthetic writer (recover_hsdp/verify/synthetic.py) trains a tiny model in one process in the
+The synthetic writer (experiments/verify_synthetic.py) trains a tiny model in one process in the
 HSDP summation order, drives the real policy (a replica dies at step 1: a boundary step whose
 contributions come from some replicas with extension ids; then a minor that computes ids it does
 not keep), and writes the run directory of the contract. The correct run must pass; wrong
@@ -18,8 +18,8 @@ import torch
 
 from recover_hsdp.tools.verify import main as verify_main
 from recover_hsdp.verify.replay import verify_run
-from recover_hsdp.verify.synthetic import (Corruption, SyntheticRun, small_data_config,
-                                           write_sample_corpus, write_synthetic_run)
+from experiments.verify_synthetic import (Corruption, SyntheticRun, small_data_config,
+                                          write_sample_corpus, write_synthetic_run)
 
 W, G, S, STEPS = 4, 2, 2, 4
 FAIL = {1: [1]}

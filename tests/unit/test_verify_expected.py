@@ -217,8 +217,8 @@ def test_a_gpu_run_is_refused_on_cpu_in_one_line(tmp_path):
     import json
 
     from recover_hsdp.verify.replay import EXIT_ERROR, verify_run
-    from recover_hsdp.verify.synthetic import (SyntheticRun, small_data_config,
-                                               write_sample_corpus, write_synthetic_run)
+    from experiments.verify_synthetic import (SyntheticRun, small_data_config,
+                                              write_sample_corpus, write_synthetic_run)
 
     corpus = write_sample_corpus(tmp_path / "c.jsonl", chars=20_000)
     run = write_synthetic_run(tmp_path / "r", SyntheticRun(

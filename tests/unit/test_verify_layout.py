@@ -28,7 +28,7 @@ def _worker(rank: int, n: int, port: int):
     dist.init_process_group("gloo", rank=rank, world_size=n)
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.model import build_model, fsdp_wrap_policy
-    from recover_hsdp.verify.synthetic import fsdp_like_layout, tiny_model_config
+    from experiments.verify_synthetic import fsdp_like_layout, tiny_model_config
 
     cfg = tiny_model_config()
     fsdp = fh.wrap_hybrid_shard(build_model(cfg, 0), dist.group.WORLD,

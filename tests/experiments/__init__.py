@@ -1,0 +1,1 @@
+"""Tests of the reproduction experiments (experiments/, not installed; run from the checkout)."""
