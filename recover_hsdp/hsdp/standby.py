@@ -243,9 +243,8 @@ def _be_promoted(mgr, p: int, d: int) -> bool:
     mgr.policy, mgr.data = blob["policy"], blob["data"]
     mgr.failures_survived = int(blob["failures_survived"])
     mgr.skipped_in_a_row = int(blob["skipped"])
-    mgr._lost_seen = len(cross.standbys_lost)   # reported in the survivors' earlier records
     _install(mgr, grp, d)
-    mgr._make_orchestrator()
+    mgr.activate()   # the standbys lost so far are in the survivors' records; an orchestrator
     mgr.joins = [{"replica": d, "standby": p, "after_step": mgr.step - 1,
                   "ranks": [p * cross.S + k for k in range(cross.S)], "outcome": "joined"}]
     return True
