@@ -106,7 +106,7 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
     try:
         grp = cross.world.subgroup(ranks)
         if not newcomer:
-            mgr.injector.check("join", mgr.step)  # the failure simulator: a sender dies
+            mgr.hooks.at("join", mgr.step)  # the failure simulator: a sender dies
         src = ranks.index(cross.phys[min(cross.alive)] * S + j)
         me_src = cross.global_rank == ranks[src]
         if me_src:
@@ -126,7 +126,7 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
             return None, None
         if newcomer:
             state = pickle.loads(buf.numpy().tobytes())
-            mgr.injector.check("join", int(state["step"]))  # the newcomer dies while healing
+            mgr.hooks.at("join", int(state["step"]))  # the newcomer dies while healing
             _unpack(mgr, state, pay)
             return grp, state
         return grp, {}
