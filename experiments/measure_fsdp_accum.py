@@ -83,7 +83,7 @@ def worker(rank, nprocs):
                     acc.microbatch(lambda: loss_of(fsdp, x, y, rank, 2), last=g == G - 1)
                     if g == 0:
                         held = sum(h.flat_param.grad.numel() * h.flat_param.grad.element_size()
-                                   for _, h in fh._handles(fsdp) if h.flat_param.grad is not None)
+                                   for _, h in fh.flat_param_handles(fsdp) if h.flat_param.grad is not None)
                 times.append(time.perf_counter() - t0)
             out[(mp_name, no_sync)] = {
                 "s_per_step": sorted(times[1:])[len(times[1:]) // 2],

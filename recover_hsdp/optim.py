@@ -105,12 +105,19 @@ class OptimConfig:
             return mapping
         if mapping is None:
             return cls()
+        try:    # an OmegaConf node: plain containers, interpolations resolved
+            from omegaconf import OmegaConf
+
+            if OmegaConf.is_config(mapping):
+                mapping = OmegaConf.to_container(mapping, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf is a dependency
+            pass
         known = [f.name for f in dataclasses.fields(cls)]
         values = {}
         for k in mapping:
             if k not in known:
                 raise OptimConfigError(f"optim.{k}: unknown key (optim keys: {', '.join(known)})")
-            values[str(k)] = _plain(mapping[k])
+            values[str(k)] = mapping[k]
         return cls(**values)
 
     def with_total_steps(self, total_steps: int) -> "OptimConfig":
@@ -118,17 +125,6 @@ class OptimConfig:
         if self.total_steps is not None:
             return self
         return dataclasses.replace(self, total_steps=total_steps)
-
-
-def _plain(v: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(v):
-            return OmegaConf.to_container(v, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return v
 
 
 def _is_int(v: Any) -> bool:
@@ -144,7 +140,6 @@ def _is_seq(v: Any) -> bool:
 
 
 def _show(v: Any) -> str:
-    v = _plain(v)
     return repr(list(v)) if _is_seq(v) else repr(v)
 
 
@@ -250,7 +245,7 @@ def eager_optimizer_class(base):
         finally:
             torch.set_grad_enabled(prev)
 
-    def _plain(name: str):
+    def _undecorated(name: str):
         def method(self, *args, **kwargs):
             if _compiling():
                 return getattr(base, name)(self, *args, **kwargs)
@@ -259,7 +254,7 @@ def eager_optimizer_class(base):
         method.__doc__ = raw[name].__doc__
         return method
 
-    ns = {name: _plain(name) for name in _DYNAMO_SHIMMED if name != "step"}
+    ns = {name: _undecorated(name) for name in _DYNAMO_SHIMMED if name != "step"}
     ns.update(step=step, __module__=__name__,
               __doc__=f"torch.optim.{base.__name__} without the lazy torch._dynamo import "
                       f"(recover_hsdp.optim.eager_optimizer_class)")

@@ -49,12 +49,6 @@ def wants_supervisor(cfg) -> bool:
                                              or bool(r.get("rejoin", False)))
 
 
-def _plain(x: Any) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
-
-
 #: optimizer settings a resume may change (a one-line notice; recorded per segment in
 #: segments.jsonl; verify replays each segment under its own): the schedule and the clip
 RESUME_MUTABLE_OPTIM = ("lr", "warmup_steps", "min_lr_ratio", "total_steps", "grad_clip",
@@ -63,10 +57,12 @@ RESUME_MUTABLE_OPTIM = ("lr", "warmup_steps", "min_lr_ratio", "total_steps", "gr
 
 def resume_changes(cfg, st: dict) -> list[str]:
     """What this config changes, as a resume may, against checkpoint ``st``: 'key: a -> b'."""
+    from recover_hsdp.config import plain_config
+
     out = []
     if "steps" in st and int(st["steps"]) != int(cfg.run.steps):
         out.append(f"run.steps: {st['steps']} -> {int(cfg.run.steps)}")
-    mine = _plain(cfg.get("optim", {})) or {}
+    mine = plain_config(cfg.get("optim") or {})
     for k in RESUME_MUTABLE_OPTIM:
         if k in (st.get("optim") or {}) and st["optim"].get(k) != mine.get(k):
             out.append(f"optim.{k}: {_short(st['optim'].get(k), 30)} -> {_short(mine.get(k), 30)}")
@@ -77,6 +73,8 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
     """Why this config cannot resume from checkpoint ``st`` (one line), or None. A resume may
     train longer (run.steps, optim.total_steps) and change RESUME_MUTABLE_OPTIM; the model,
     B, tokens per step, the seed, the data and the optimizer's kind and moments' settings stay."""
+    from recover_hsdp.config import plain_config
+
     par = cfg.parallel
     W, S, G = int(par.replicas), int(par.shard_size), int(par.grad_accum)
     mbs, L = int(par.micro_batch_size), int(par.seq_len)
@@ -98,11 +96,11 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
     if "steps" in st and int(cfg.run.steps) <= int(st["step"]):
         return (f"cannot resume from {path}: run.steps({int(cfg.run.steps)}) must exceed the "
                 f"step it resumes at ({st['step']}): nothing would be trained")
-    fixed = {k: v for k, v in (_plain(cfg.get("optim", {})) or {}).items()
+    fixed = {k: v for k, v in (plain_config(cfg.get("optim") or {})).items()
              if k not in RESUME_MUTABLE_OPTIM}
     saved_fixed = {k: v for k, v in (st.get("optim") or {}).items()
                    if k not in RESUME_MUTABLE_OPTIM}
-    for key, mine, theirs in (("model", _plain(cfg.model), st.get("model")),
+    for key, mine, theirs in (("model", plain_config(cfg.model), st.get("model")),
                               ("optim", fixed, saved_fixed if "optim" in st else None),
                               ("run_seed", int(cfg.run.seed), st.get("run_seed"))):
         if theirs is not None and theirs != mine:
@@ -120,7 +118,9 @@ def check_resume(cfg, st: dict, path: Path) -> str | None:
 
 def _segment_optim(cfg) -> dict:
     """The optimizer settings this segment trains with, total_steps resolved."""
-    o = dict(_plain(cfg.get("optim", {})) or {})
+    from recover_hsdp.config import plain_config
+
+    o = dict(plain_config(cfg.get("optim") or {}))
     if o.get("total_steps") is None:
         o["total_steps"] = int(cfg.run.steps)
     return o

@@ -49,6 +49,7 @@ ids) failed; the losses' agreement is reported, not enforced.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -235,12 +236,6 @@ def run_stack(args: argparse.Namespace, run_dir: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
-def _plain(obj: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
-
-
 _log = functools.partial(H.say, "stack")
 
 
@@ -284,8 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TrainConfigError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
-        result = H.result("stack", argv, args, bench="stack", model=_plain(checked.model),
-                          optim=_plain(checked.optim), stack_command=shlex.join(
+        result = H.result("stack", argv, args, bench="stack", model=dataclasses.asdict(checked.model),
+                          optim=dataclasses.asdict(checked.optim), stack_command=shlex.join(
                               ["python", "-m", "recover_hsdp.cli", "train",
                                *train_overrides(args, "<dir>")]))
         repeats, problems = [], []
@@ -308,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log("stack run failed; stopping:\n" + rep["stack"].get("output_tail", ""))
                 break
         if args.attribute:
-            result["attribution"] = run_attribution(args, work)
+            result["attribution"] = run_attribution(args, work, plain_command=plain_command,
+                                                    stack_command=stack_command)
     result.update(load_end=H.load(), problems=problems, repeats=repeats,
                   work_dir=str(work) if (args.work_dir or args.keep) else None,
                   wall_s=time.perf_counter() - t_start)

@@ -13,10 +13,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench.harness import median_after
+
+#: (args, output path) -> argv of one arm
+Command = Callable[[argparse.Namespace, Any], list]
 
 def plain_step(model, opt, src, ids: Sequence[int], tpm: int, lr: float) -> tuple[float, float]:
     """The plain arm's step: zero_grad, G = len(ids) x (forward, backward), grads / G, lr,
@@ -196,11 +199,11 @@ def profile_table(raw: dict, steps: int, skip: int) -> dict:
     return out
 
 
-def run_attribution(args: argparse.Namespace, work: Path) -> dict:
-    """Run the A/B process and the profiled stack run; the numbers behind the attribution."""
-    # the arms' commands are the benchmark's own (stack.py imports this module at its top)
-    from recover_hsdp.bench.stack import plain_command, stack_command
-
+def run_attribution(args: argparse.Namespace, work: Path, *, plain_command: Command,
+                    stack_command: Command) -> dict:
+    """Run the A/B process and the profiled stack run; the numbers behind the attribution.
+    ``plain_command`` / ``stack_command``: the benchmark's own arms (bench/stack.py's), passed
+    in so that this module, which stack.py imports, does not import it back."""
     res: dict[str, Any] = {"load_before": H.load()}
     out = work / "fsdp_ab.json"
     cmd = plain_command(args, out)

@@ -89,6 +89,11 @@ def set_context(where: Optional[str] = None, step: Optional[int] = None) -> None
         _state["step"] = int(step)
 
 
+def context() -> Optional[str]:
+    """What the rank is doing now (the ``where`` of the last set_context; None: nothing named)."""
+    return _state["where"]
+
+
 def _rank() -> int:
     if _state["rank"] is not None:
         return _state["rank"]

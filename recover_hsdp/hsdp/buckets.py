@@ -1,7 +1,7 @@
 """The buckets (every FSDP handle's ``flat_param.grad``, in module pre-order) and the microbatch
-loop that fills them (split out of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid`` re-exports
-all). Buckets are mutated IN PLACE only: with ``use_orig_params=True`` the original parameters'
-``.grad`` are views into them.
+loop that fills them (split out of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid``
+re-exports the public names). Buckets are mutated IN PLACE only: with ``use_orig_params=True``
+the original parameters' ``.grad`` are views into them.
 """
 from __future__ import annotations
 

@@ -460,7 +460,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
         try:
             self.save(step, sync=sync)
         except RuntimeError as e:
-            self.mgr._replica_lost(e)
+            self.mgr.exit_replica_lost(e)
 
     def params_comparable(self) -> bool:
         """Whether this segment's parameter snapshots have meta.json's layout (same S)."""

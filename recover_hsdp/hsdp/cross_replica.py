@@ -160,6 +160,29 @@ class HSDPCrossReplicaGroup:
         self._roles = dict(roles)
         self.rg.set_roles([self._roles[r] for r in self._rg_order()])
 
+    # --- the membership a join changes (hsdp/standby.py) --------------------------------------
+    def view(self) -> dict:
+        """The agreed membership: alive slots, slot -> rank block, the standby pool, roles."""
+        return {"alive": list(self.alive), "phys": dict(self.phys), "pool": list(self.pool),
+                "roles": dict(self._roles)}
+
+    def load_view(self, view: dict) -> None:
+        """Take over a ``view()`` sent by an active replica (a standby being promoted)."""
+        self.alive, self.phys, self.pool = list(view["alive"]), dict(view["phys"]), \
+            list(view["pool"])
+        self._roles = dict(view["roles"])
+
+    def seat(self, p: int, d: int) -> None:
+        """Everybody's view after a committed join: standby block p holds slot d (a major)."""
+        self.phys[d] = p
+        self.pool = [x for x in self.pool if x != p]
+        self.alive = sorted(self.alive + [d])
+        self._roles[d] = Role.MAJOR
+
+    def die(self) -> None:
+        """Leave as a failure the others see (SIGKILL of this rank; never returns)."""
+        self._die()
+
     def set_contributed(self, n: int) -> None:
         self._contributed = int(n)
         self.rg.set_contributed(int(n))

@@ -1,7 +1,8 @@
 """The torch side of the test-only fault seam (recover_hsdp/faults/seam.py says what and why).
 
-`RunFaults.from_env()` is None unless the seam is set AND allowed; the manager then calls
-`contribute`, `after_microbatch` and `before_reduce` at the three points a fault can enter.
+`RunFaults.from_env()` is None unless the seam is set AND allowed; the manager's step hooks
+(hsdp/step_hooks.py) then call `contribute`, `after_microbatch` and `before_reduce` at the three
+points a fault can enter.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ class RunFaults:
             return
         self.fired.append(("double_mb" if extra == mb_id else "extra_mb", step))
         x, y = mgr.microbatch_fn(mgr.replica, extra)
-        x, y = mgr._rows(x).to(mgr.device), mgr._rows(y).to(mgr.device)
+        x, y = mgr.local_rows(x).to(mgr.device), mgr.local_rows(y).to(mgr.device)
         mgr.acc.microbatch(lambda: mgr.loss_fn(mgr.module, x, y) / mgr.S, contribute=True)
 
     def before_reduce(self, mgr, step: int, buckets: list) -> None:

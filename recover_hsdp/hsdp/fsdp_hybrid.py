@@ -21,8 +21,9 @@ Invariants this module keeps (the recovery layer relies on each one):
 Everything private that is touched is listed in docs/hsdp.md and checked at wrap time against the
 torch version this was verified on (:data:`VERIFIED_TORCH`).
 
-The code lives in four modules along its seams; this module re-exports all of them so that
-``from recover_hsdp.hsdp import fsdp_hybrid as fh; fh.wrap_hybrid_shard(...)`` keeps working:
+The code lives in four modules along its seams; this module is their public face (documented
+in docs/hsdp.md): ``from recover_hsdp.hsdp import fsdp_hybrid as fh; fh.wrap_hybrid_shard(...)``
+reaches the public names of all four, and nothing private:
 
 * :mod:`recover_hsdp.hsdp.topology`: the W x S topology, shard groups, rendezvous and store;
 * :mod:`recover_hsdp.hsdp.wrapping`: FSDP wrapping, the no-op replicate group, the torch check;
@@ -31,26 +32,20 @@ The code lives in four modules along its seams; this module re-exports all of th
 """
 from __future__ import annotations
 
-# flake8: noqa  (a re-export module)
+# flake8: noqa  (the public face of four modules)
 
 from recover_hsdp.hsdp.topology import (DEFAULT_SHARD_TIMEOUT_S, DEFAULT_STORE_TIMEOUT_S,
-                                        ENV_SHARD_TIMEOUT, ENV_STORE, _env_int, _parse_host_port,
-                                        check_identical_init, HybridTopology,
-                                        init_distributed_from_env, local_device, new_shard_groups,
-                                        serve_store, shard_group_failure_kind, shard_timeout_s,
-                                        shard_group_timeout_s)
-from recover_hsdp.hsdp.wrapping import (_FLAT_PARAM_ATTRS, _STATE_ATTRS, ENV_ALLOW_UNVERIFIED,
-                                        VERIFIED_TORCH, _CompletedWork, assert_divide_stripped,
-                                        bf16_mixed_precision, check_torch_version,
-                                        DeferredReductionViolation, fsdp_states,
-                                        NoOpReplicateGroup, UnsupportedTorchError,
+                                        ENV_SHARD_TIMEOUT, ENV_STORE, check_identical_init,
+                                        HybridTopology, init_distributed_from_env, local_device,
+                                        new_shard_groups, serve_store, shard_group_failure_kind,
+                                        shard_timeout_s, shard_group_timeout_s)
+from recover_hsdp.hsdp.wrapping import (ENV_ALLOW_UNVERIFIED, VERIFIED_TORCH,
+                                        assert_divide_stripped, bf16_mixed_precision,
+                                        check_torch_version, DeferredReductionViolation,
+                                        fsdp_states, NoOpReplicateGroup, UnsupportedTorchError,
                                         wrap_hybrid_shard)
 from recover_hsdp.hsdp.buckets import (allreduce_grad_shards, flat_param_handles,
                                        grad_shard_names, grad_shards, MicrobatchAccumulator,
                                        to_device)
-from recover_hsdp.hsdp.layout import (PARAM_PADDING_VALUE, _param_padding_value,
-                                      flat_shard_from_full, FlatParamLayout, local_flat_shards,
-                                      parameter_layout, ParamSlot)
-
-# the private name older callers used (recover_hsdp.hsdp.buckets.flat_param_handles)
-_handles = flat_param_handles
+from recover_hsdp.hsdp.layout import (PARAM_PADDING_VALUE, flat_shard_from_full, FlatParamLayout,
+                                      local_flat_shards, parameter_layout, ParamSlot)

@@ -1,6 +1,7 @@
 """The verifier's view of FSDP's parameter layout: which original parameter sits where in each
 flat parameter, and any rank's flat shards rebuilt from a plain model in one process (split out
-of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid`` re-exports all).
+of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid`` re-exports the
+public names).
 """
 from __future__ import annotations
 

@@ -29,39 +29,12 @@ import torch.nn as nn
 from recover_hsdp.faults import FailureInjector, failstop, replica_lost_exit, startup
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
+from recover_hsdp.hsdp.step_hooks import HookedGroup, StepHooks
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
                                  StaticWorldPolicy, contrib_total, elect)
 from recover_hsdp.recovery import StepTxnOrchestrator, Verdict
 
 MicrobatchFn = Callable[[int, int], tuple]  # (replica, microbatch id) -> (inputs, targets)
-
-
-class _FaultPoints:
-    """The cross-replica group as the orchestrator sees it, plus the simulator's reduce points.
-
-    Every bucket reduction passes here, so `reduce` (first pass) and `re_reduce` (any reduction
-    after a handled failure: blocking re-reduces and the extension pass) fire at the exact bucket.
-    """
-
-    def __init__(self, group: HSDPCrossReplicaGroup, mgr: "HSDPULFMTrainingManager"):
-        self._g = group
-        self._mgr = mgr
-
-    def __getattr__(self, name: str):
-        return getattr(self._g, name)
-
-    def allreduce(self, tensor: torch.Tensor):
-        mgr = self._mgr
-        loc = "re_reduce" if mgr._failure_handled else "reduce"
-        mgr.injector.check(loc, mgr.step, bucket=mgr._bucket_index.get(tensor.data_ptr(), 0))
-        return self._g.allreduce(tensor)
-
-    def consensus(self):
-        self._mgr._set_grad_stats()  # the reduced buckets' norm and NaN/inf flag ride the vector
-        res = self._g.consensus()
-        if not res.ok:
-            self._mgr._failure_handled = True
-        return res
 
 
 @dataclass
@@ -166,6 +139,8 @@ class HSDPULFMTrainingManager:
         self.injector = FailureInjector(failure_schedule or [], self.replica, self.shard_index,
                                         before_kill=getattr(recorder, "fault_fired", None),
                                         verbose=True)
+        #: fault injection, fail-stop context and the test seams: one call per point of the step
+        self.hooks = StepHooks(self)
         self.log = log or (lambda s: None)
         self.step = 0
         # any error in this rank becomes a fail-stop the survivors see (docs/faults.md)
@@ -178,29 +153,27 @@ class HSDPULFMTrainingManager:
             world=self.world, replicas=replicas, shard_size=shard_size, global_rank=self.rank,
             make_group=UlfmGroup.from_ranks, shard_barrier=self._shard_barrier,
             elect=elect, contrib_total=contrib_total,
-            checkpoint=lambda location: self.injector.check(location, self.step),
+            checkpoint=lambda location: self.hooks.at(location, self.step),
             standby=self.standby)
         self.joins: list[dict] = []   # join entries for the next step's record (rejoin.md)
         self._lost_seen = 0           # cross.standbys_lost already in a step's metrics
         self.failures_survived = 0
         self._tokens_per_mb: Optional[int] = None
-        self._failure_handled = False
-        self._bucket_index: dict[int, int] = {}
         self.orch = None if self.is_standby else self._make_orchestrator()
+        from recover_hsdp.faults.gate import Gate
         from recover_hsdp.hsdp.fault_seam import RunFaults, install_nondeterminism
 
-        self.seam = RunFaults.from_env()  # test only: None unless RECOVER_HSDP_TEST_FAULT allowed
+        seam = RunFaults.from_env()  # test only: None unless RECOVER_HSDP_TEST_FAULT allowed
         # False on CUDA (SDPA's backward adds atomically) unless torch's deterministic mode is
         # on, and under the test seam RECOVER_HSDP_TEST_NONDET (verify: docs/verify.md)
         self.deterministic = not install_nondeterminism() and (
             self.device.type == "cpu" or torch.are_deterministic_algorithms_enabled())
-        from recover_hsdp.faults.gate import Gate
-
-        self.gate = Gate.from_env(self.rank)  # test only: None unless RECOVER_HSDP_TEST_GATE allowed
+        self.hooks.seam, self.hooks.gate = seam, Gate.from_env(self.rank)  # gate: test only
 
     def _make_orchestrator(self) -> StepTxnOrchestrator:
         self.orch = StepTxnOrchestrator(
-            _FaultPoints(self.cross, self), self.policy,
+            HookedGroup(self.cross, self.hooks, lambda: self.step, self._set_grad_stats),
+            self.policy,
             self.cross.replica_of_rank if self.standby else self.topo.replica_of_rank,
             restore_enabled=self.restore_enabled, log=self.log)
         return self.orch
@@ -282,13 +255,22 @@ class HSDPULFMTrainingManager:
 
             shard_barrier(self.shard_pg, self.device)   # device_ids on NCCL
 
-    def _replica_lost(self, exc: BaseException) -> None:
+    def exit_replica_lost(self, exc: BaseException) -> None:
+        """A shard-group collective failed: this replica lost a member, so this rank leaves by
+        SIGKILL (one line on stderr) for the survivors to see. Never returns."""
         replica_lost_exit(f"rank {self.rank} (replica {self.replica}): shard group failed: "
                           f"{str(exc).splitlines()[0][:200]}")
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+    def local_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This shard rank's rows [j*mbs, (j+1)*mbs) of a replica's whole microbatch."""
         mbs = x.shape[0] // self.S
         return x[self.shard_index * mbs:(self.shard_index + 1) * mbs]
+
+    def activate(self) -> None:
+        """A standby just promoted into a slot (hsdp/standby.py), its state installed: the
+        standbys lost so far are in the survivors' earlier records; build its orchestrator."""
+        self._lost_seen = len(self.cross.standbys_lost)
+        self._make_orchestrator()
 
     @property
     def alive_replicas(self) -> tuple[int, ...]:
@@ -303,97 +285,106 @@ class HSDPULFMTrainingManager:
         that the survivors see a failure (a raised exception would exit non-zero, which ULFM does
         not notice). A shard-group collective error means this replica lost a member."""
         try:
-            failstop.step_begins()   # progress: the step clock of the watchdog, start-up's end
+            self.hooks.step_begins()   # progress: the step clock of the watchdog, start-up's end
             return self._train_step()
         except BaseException as e:  # noqa: BLE001
             if isinstance(e, SystemExit) and e.code in (0, None):
                 raise
-            failstop.fail_stop(e, failstop._state["where"], kill=self._fail_kill)
+            self.hooks.fail_stop(e, kill=self._fail_kill)
             raise
 
     def _train_step(self) -> StepMetrics:
-        if self.gate is not None:
-            self.gate.before_step(self.step)   # test only: a marker, and a hold where asked
+        """The paper's step (appendix C): microbatch loop, snapshot + deferred reduce, consensus
+        (recovery inside it: a rewind, or EXTEND with the boundary microbatches), optimizer."""
+        hooks, step = self.hooks, self.step
+        hooks.before_step(step)
         t0 = time.perf_counter()
-        step, pol, orch = self.step, self.policy, self.orch
-        self._failure_handled = False
         self.optimizer.zero_grad(set_to_none=False)  # keep the bucket tensors (snapshot targets)
         self.acc.reset()
-        orch.begin_iteration()
-        base = pol.steps()
-        m = 0
-        loss_sum = 0.0
-        while True:
-            # microbatches: the whole iteration, then (boundary) the extension up to steps()
-            while m < pol.steps():
-                ext = m >= base
-                orch.wait_restore_before_backward()
-                mb_id = self.data.microbatch_id(self.replica, m)
-                keep = pol.keeps(self.replica, m)
-                self.injector.check("extension" if ext else "forward", step,
-                                    microbatch=(m - base) if ext else m)
-                failstop.set_context("microbatch_fn", step)
-                x, y = self.microbatch_fn(self.replica, mb_id)
-                x = fh.to_device(self._rows(x), self.device)   # no host sync on CUDA
-                y = fh.to_device(self._rows(y), self.device)
-
-                def closure(x=x, y=y, m=m, ext=ext):
-                    failstop.set_context("loss_fn", step)
-                    loss = self.loss_fn(self.module, x, y) / self.S
-                    if not ext:
-                        self.injector.check("backward", step, microbatch=m)
-                    failstop.set_context("backward", step)
-                    return loss
-
-                seam = self.seam
-                try:
-                    loss = self.acc.microbatch(closure, contribute=keep if seam is None else
-                                               seam.contribute(self, step, m, keep))
-                    if seam is not None:
-                        seam.after_microbatch(self, step, m, keep, mb_id)
-                except RuntimeError as e:
-                    if fh.shard_group_failure_kind(e) is None:
-                        raise
-                    self._replica_lost(e)
-                if keep:
-                    # on the device, in float64 (the same sums as Python floats, in the same
-                    # order): no host sync per microbatch, one per pass (set_loss_sum)
-                    loss_sum = loss_sum + loss.to(torch.float64)
-                if self._tokens_per_mb is None:
-                    self._tokens_per_mb = int(y.numel()) * self.S
+        self.orch.begin_iteration()
+        base = self.policy.steps()
+        m, loss_sum = 0, 0.0
+        while True:   # one pass: the iteration's microbatches, then (boundary) its extension
+            while m < self.policy.steps():
+                loss_sum = self._microbatch(step, m, base, loss_sum)
                 m += 1
-                failstop.tick()
-                orch.note_microbatch(m)
-            self.cross.set_loss_sum(float(loss_sum))
-            # the deferred cross-replica reduction: after the loop, never inside backward
-            buckets = fh.grad_shards(self.module)
-            self._buckets = buckets
-            self._bucket_index = {t.data_ptr(): i for i, t in enumerate(buckets)}
-            if self.seam is not None:
-                self.seam.before_reduce(self, step, buckets)
-            for t in buckets:
-                orch.enqueue_bucket(t)
-            orch.fire_deferred_allreduces()
-            # replica-consistency gate + agreed failure view; COMMIT or EXTEND (boundary)
-            failstop.set_context("cross-replica reduction/consensus", step)
-            verdict = orch.consensus()
-            failstop.tick()
-            if verdict is Verdict.COMMIT:
+                hooks.microbatch_done()
+                self.orch.note_microbatch(m)
+            buckets = self._reduce(step, loss_sum)
+            if self._consensus(step) is Verdict.COMMIT:
                 break
-        # commit: the divisor is fixed (B for the static policy), never the live world size
-        self.injector.check("pre_step", step)
-        divisor = pol.divisor()
+        hooks.pre_step(step)
+        divisor = self.policy.divisor()   # fixed (B for the static policy), never the live world
+        grad_norm, skipped = self._divide(buckets, divisor)
+        self._optimizer_step(step, skipped)
+        hooks.after_step(step)
+        return self._commit(step, divisor, grad_norm, skipped, t0)
+
+    def _microbatch(self, step: int, m: int, base: int, loss_sum):
+        """Forward + backward of microbatch m of the pass under FSDP (shard group only): its
+        gradient shard adds into the buckets when the policy keeps it. Returns the kept loss
+        sum (on the device, in float64: no host sync per microbatch, one per pass)."""
+        hooks, ext = self.hooks, m >= base
+        self.orch.wait_restore_before_backward()
+        mb_id = self.data.microbatch_id(self.replica, m)
+        keep = self.policy.keeps(self.replica, m)
+        hooks.before_microbatch(step, m, base)
+        x, y = self.microbatch_fn(self.replica, mb_id)
+        x = fh.to_device(self.local_rows(x), self.device)   # no host sync on CUDA
+        y = fh.to_device(self.local_rows(y), self.device)
+
+        def closure():
+            hooks.before_forward(step)
+            loss = self.loss_fn(self.module, x, y) / self.S
+            hooks.before_backward(step, m, ext)
+            return loss
+
+        try:
+            loss = self.acc.microbatch(closure, contribute=hooks.contribute(step, m, keep))
+            hooks.after_microbatch(step, m, keep, mb_id)
+        except RuntimeError as e:
+            if fh.shard_group_failure_kind(e) is None:
+                raise
+            self.exit_replica_lost(e)
+        if self._tokens_per_mb is None:
+            self._tokens_per_mb = int(y.numel()) * self.S
+        return loss_sum + loss.to(torch.float64) if keep else loss_sum
+
+    def _reduce(self, step: int, loss_sum) -> list[torch.Tensor]:
+        """The deferred cross-replica reduction, after the loop (never inside backward): each
+        bucket is snapshotted (the rewind source) and all-reduced on its replicate group."""
+        self.cross.set_loss_sum(float(loss_sum))
+        buckets = self._buckets = fh.grad_shards(self.module)
+        self.hooks.before_reduce(step, buckets)
+        for t in buckets:
+            self.orch.enqueue_bucket(t)
+        self.orch.fire_deferred_allreduces()
+        return buckets
+
+    def _consensus(self, step: int) -> Verdict:
+        """Replica-consistency gate + one agreed failure view over the S replicate groups:
+        COMMIT, or EXTEND (a boundary: rewound buckets, the survivors' extra microbatches)."""
+        self.hooks.before_consensus(step)
+        verdict = self.orch.consensus()
+        self.hooks.after_consensus()
+        return verdict
+
+    def _divide(self, buckets: list[torch.Tensor], divisor: int) -> tuple[float, bool]:
+        """bucket /= B, clipped; (the divided gradient's global norm, skipped: non-finite)."""
+        from recover_hsdp.optim import clip_coef
+
         res = self.cross.last_result
         skipped = bool(res.grad_nonfinite)
         grad_norm = (res.grad_sq_norm ** 0.5) / divisor if not skipped else float("inf")
-        from recover_hsdp.optim import clip_coef
-
         coef = clip_coef(grad_norm, self.grad_clip)
         with torch.no_grad():
             for t in buckets:
                 t.div_(divisor)
                 if coef < 1.0:
                     t.mul_(coef)
+        return grad_norm, skipped
+
+    def _optimizer_step(self, step: int, skipped: bool) -> None:
         if self.lr_fn is not None:
             lr = float(self.lr_fn(step))
             for g in self.optimizer.param_groups:
@@ -402,14 +393,18 @@ class HSDPULFMTrainingManager:
             self.skipped_in_a_row += 1
             self.log(f"step {step}: non-finite gradient: optimizer update skipped "
                      f"({self.skipped_in_a_row} in a row)")
-        else:
-            self.skipped_in_a_row = 0
-            if self.before_optimizer_step is not None:
-                self.before_optimizer_step()
-            failstop.set_context("optimizer.step", step)
-            self.optimizer.step()
-            failstop.set_context(None)
-        self.injector.check("optimizer_step", step)
+            return
+        self.skipped_in_a_row = 0
+        if self.before_optimizer_step is not None:
+            self.before_optimizer_step()
+        self.hooks.before_optimizer_step(step)
+        self.optimizer.step()
+        self.hooks.after_optimizer_step()
+
+    def _commit(self, step: int, divisor: int, grad_norm: float, skipped: bool,
+                t0: float) -> StepMetrics:
+        """The step's record: contributions, loss, failures; then the iteration commits."""
+        pol, orch, res = self.policy, self.orch, self.cross.last_result
         layout = pol.layout.as_dict()
         alive = list(pol.alive)
         boundary = bool(pol.at_boundary)

@@ -34,7 +34,6 @@ import torch
 
 from recover_hsdp.faults import failstop
 from recover_hsdp.policy.standby import rejoin, vacant_slots
-from recover_hsdp.types import Role
 
 J_JOIN, J_CONFIRM, J_OK, J_DONE = range(4)
 
@@ -77,8 +76,7 @@ def _pack(mgr) -> tuple[bytes, torch.Tensor]:
             "failures_survived": mgr.failures_survived, "skipped": mgr.skipped_in_a_row,
             "optim": {"state": state, "param_groups": sd["param_groups"]},
             "n_params": n_params, "meta": meta,
-            "cross": {"alive": list(mgr.cross.alive), "phys": dict(mgr.cross.phys),
-                      "pool": list(mgr.cross.pool), "roles": dict(mgr.cross._roles)}}
+            "cross": mgr.cross.view()}
     payload = torch.cat([t.contiguous().cpu().reshape(-1).view(torch.uint8) for t in tensors])
     return pickle.dumps(blob), payload
 
@@ -108,7 +106,7 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
     try:
         grp = cross.world.subgroup(ranks)
         if not newcomer:
-            mgr.injector.check("join", mgr.step)  # the failure simulator: a sender dies
+            mgr.hooks.at("join", mgr.step)  # the failure simulator: a sender dies
         src = ranks.index(cross.phys[min(cross.alive)] * S + j)
         me_src = cross.global_rank == ranks[src]
         if me_src:
@@ -128,21 +126,13 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
             return None, None
         if newcomer:
             state = pickle.loads(buf.numpy().tobytes())
-            mgr.injector.check("join", int(state["step"]))  # the newcomer dies while healing
+            mgr.hooks.at("join", int(state["step"]))  # the newcomer dies while healing
             _unpack(mgr, state, pay)
             return grp, state
         return grp, {}
     except Exception as e:  # noqa: BLE001 - a failure while building the group / sending
         mgr.log(f"rank {cross.global_rank}: join transfer failed: {str(e).splitlines()[0][:200]}")
         return None, None
-
-
-def _apply(cross, p: int, d: int) -> None:
-    """Everybody's view after a committed join: p holds slot d."""
-    cross.phys[d] = p
-    cross.pool = [x for x in cross.pool if x != p]
-    cross.alive = sorted(cross.alive + [d])
-    cross._roles[d] = Role.MAJOR
 
 
 # ---- active replicas --------------------------------------------------------------------------
@@ -165,7 +155,7 @@ def join_step(mgr) -> Optional[dict]:
     if not (res2.ok and int(round(fl[J_OK])) == n_part):
         cross.pool = [x for x in cross.pool if x != p]   # p leaves (kills itself if alive)
         return {**entry, "outcome": "abandoned", "why": "a death or a failed transfer"}
-    _apply(cross, p, d)
+    cross.seat(p, d)
     _install(mgr, grp, d)
     mgr.log(f"join: standby {p} -> slot {d} in {time.perf_counter() - t0:.3f} s")
     return {**entry, "outcome": "joined"}
@@ -217,7 +207,7 @@ def _standby_loop(mgr) -> bool:
             pending = None
             n_part = (len(cross.alive) + 1) * cross.S
             if res.ok and int(round(fl[J_OK])) == n_part:
-                _apply(cross, p, d)
+                cross.seat(p, d)
             else:
                 cross.pool = [x for x in cross.pool if x != p]
 
@@ -230,12 +220,10 @@ def _be_promoted(mgr, p: int, d: int) -> bool:
     failstop.tick()
     n_part = (len(cross.alive) + 1) * cross.S
     if not (res2.ok and int(round(fl[J_OK])) == n_part):
-        cross._die()      # abandoned: my groups moved on; leave as a failure the others see
+        cross.die()       # abandoned: my groups moved on; leave as a failure the others see
         raise RuntimeError("die() returned")
-    c = blob["cross"]
-    cross.alive, cross.phys, cross.pool = list(c["alive"]), dict(c["phys"]), list(c["pool"])
-    cross._roles = dict(c["roles"])
-    _apply(cross, p, d)
+    cross.load_view(blob["cross"])
+    cross.seat(p, d)
     cross.is_standby = False
     cross.replica = d
     mgr.replica = d
@@ -243,9 +231,8 @@ def _be_promoted(mgr, p: int, d: int) -> bool:
     mgr.policy, mgr.data = blob["policy"], blob["data"]
     mgr.failures_survived = int(blob["failures_survived"])
     mgr.skipped_in_a_row = int(blob["skipped"])
-    mgr._lost_seen = len(cross.standbys_lost)   # reported in the survivors' earlier records
     _install(mgr, grp, d)
-    mgr._make_orchestrator()
+    mgr.activate()   # the standbys lost so far are in the survivors' records; an orchestrator
     mgr.joins = [{"replica": d, "standby": p, "after_step": mgr.step - 1,
                   "ranks": [p * cross.S + k for k in range(cross.S)], "outcome": "joined"}]
     return True

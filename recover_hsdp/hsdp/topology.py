@@ -1,5 +1,6 @@
 """Where a rank sits and how it talks: the W x S topology, the shard process groups and the
-rendezvous store (split out of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid`` re-exports all).
+rendezvous store (split out of fsdp_hybrid.py; ``recover_hsdp.hsdp.fsdp_hybrid`` re-exports the
+public names).
 
 After init nothing here needs the rendezvous store again (rank 0 may die; see
 :func:`init_distributed_from_env`). The store is served by the launcher, outside the ranks

@@ -1,6 +1,6 @@
 """FSDP1 HYBRID_SHARD wrapping with the cross-replica reduction deferred (split out of
 fsdp_hybrid.py, whose docstring states the invariants; ``recover_hsdp.hsdp.fsdp_hybrid``
-re-exports all).
+re-exports the public names).
 
 * FSDP never moves a byte across replicas: every FSDP state's replicate group is a
   :class:`NoOpReplicateGroup` (the per-backward ``all_reduce`` on it is a counted no-op, any other

@@ -27,7 +27,7 @@ import yaml
 
 from recover_hsdp.record.io import RecordError, atomic_write, write_shared
 from recover_hsdp.record.params import ParamWriter
-from recover_hsdp.record.steps import StepRecord, StepWriter, _plain, merge_steps
+from recover_hsdp.record.steps import StepRecord, StepWriter, jsonable, merge_steps
 
 RECORD_FORMAT = 1
 META = "meta.json"
@@ -38,7 +38,7 @@ FAULTS_DIR = "faults"
 
 
 def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(_plain(obj), sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
+    return (json.dumps(jsonable(obj), sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
 
 
 def _schedule_dicts(schedule: Any) -> list[dict]:
@@ -46,7 +46,7 @@ def _schedule_dicts(schedule: Any) -> list[dict]:
         return []
     if hasattr(schedule, "as_dicts"):
         return list(schedule.as_dicts())
-    return [dict(_plain(e)) if not hasattr(e, "to_dict") else e.to_dict() for e in schedule]
+    return [dict(jsonable(e)) if not hasattr(e, "to_dict") else e.to_dict() for e in schedule]
 
 
 def write_run_files(run_dir: str | Path, meta: Mapping, config: Mapping | str | None = None,
@@ -58,11 +58,11 @@ def write_run_files(run_dir: str | Path, meta: Mapping, config: Mapping | str | 
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(_plain(meta))
+    meta = dict(jsonable(meta))
     meta.setdefault("record_format", RECORD_FORMAT)
     write_shared(run_dir / META, _json_bytes(meta), fsync=fsync)
     if config is not None:
-        text = config if isinstance(config, str) else yaml.safe_dump(_plain(config), sort_keys=True)
+        text = config if isinstance(config, str) else yaml.safe_dump(jsonable(config), sort_keys=True)
         write_shared(run_dir / CONFIG, text.encode(), fsync=fsync)
     items = _schedule_dicts(schedule)
     text = yaml.safe_dump(items, sort_keys=False, default_flow_style=None) if items else "[]\n"
@@ -73,7 +73,7 @@ def write_fault_fired(run_dir: str | Path, global_rank: int, entry: Any,
                       fsync: bool = True) -> Path:
     """Marker left by a rank just before its scheduled SIGKILL (direct evidence it fired)."""
     data = {"rank": global_rank, "pid": os.getpid(), "time": time.time(),
-            "entry": entry.to_dict() if hasattr(entry, "to_dict") else _plain(entry)}
+            "entry": entry.to_dict() if hasattr(entry, "to_dict") else jsonable(entry)}
     path = Path(run_dir) / FAULTS_DIR / f"fired.rank{global_rank}.json"
     atomic_write(path, _json_bytes(data), fsync=fsync)
     return path

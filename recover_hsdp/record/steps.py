@@ -31,17 +31,17 @@ def step_file(run_dir: str | Path, global_rank: int) -> Path:
     return Path(run_dir) / STEPS_DIR / f"rank{global_rank}.jsonl"
 
 
-def _plain(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """JSON-able form of dataclasses (the policy's Layout), enums (RestoreMode, Role), tuples."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value) if isinstance(value, (set, frozenset)) else value
-        return [_plain(v) for v in items]
+        return [jsonable(v) for v in items]
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
         return value.item()  # 0-d tensor / numpy scalar
     return value
@@ -76,11 +76,11 @@ class StepRecord:
                "failures", "contributions", "divisor", "epoch", "extra")
 
     def to_json(self) -> dict:
-        d = {k: _plain(getattr(self, k)) for k in self._SHARED}
+        d = {k: jsonable(getattr(self, k)) for k in self._SHARED}
         d["contributions"] = {str(int(r)): [int(i) for i in ids]
                               for r, ids in sorted(self.contributions.items(), key=lambda kv: int(kv[0]))}
         d["alive"] = sorted(int(r) for r in self.alive)
-        d["local"] = _plain(self.local)
+        d["local"] = jsonable(self.local)
         return d
 
     def shared(self) -> dict:

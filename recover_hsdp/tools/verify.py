@@ -118,16 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_note(text: str) -> None:
         print(f"note: {text}", file=out, flush=True)
 
+    from recover_hsdp.verify.options import VerifyOptions
     from recover_hsdp.verify.replay import EXIT_ERROR, verify_run
 
+    options = VerifyOptions(atol=args.atol, rtol=args.rtol, c=args.c, c_rms=args.c_rms,
+                            rms_atol=args.rms_tol, rel_floor=args.rel_floor, device=args.device,
+                            until=args.until, records_only=args.records_only,
+                            anchor=args.anchor, all_copies=not args.one_copy,
+                            envelope=args.envelope, strict=args.strict, c_strict=args.c_strict,
+                            keep_going=args.keep_going)
     try:
-        result = verify_run(args.run_dir, atol=args.atol, rtol=args.rtol, c=args.c,
-                            c_rms=args.c_rms, rms_atol=args.rms_tol, rel_floor=args.rel_floor,
-                            device=args.device, until=args.until, anchor=args.anchor,
-                            all_copies=not args.one_copy, envelope=args.envelope,
-                            records_only=args.records_only, strict=args.strict,
-                            keep_going=args.keep_going,
-                            c_strict=args.c_strict, on_step=on_step, on_note=on_note,
+        result = verify_run(args.run_dir, options, on_step=on_step, on_note=on_note,
                             on_header=lambda text: print(text, file=out, flush=True))
     except KeyboardInterrupt:
         print("verify: interrupted", file=sys.stderr)

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from recover_hsdp.record import INIT_STEP, RecordError, param_steps
 # the parameter comparison, the pre-replay record checks and the result types live in
@@ -35,34 +35,21 @@ from recover_hsdp.verify.prereplay import check_before_replay
 from recover_hsdp.verify.result import (EXIT_ERROR, EXIT_FAILED, EXIT_OK, StepReport,  # noqa: F401
                                         VerifyResult, _Failed, _fmt)
 from recover_hsdp.verify.spec import VerifyInputError
-from recover_hsdp.verify.tolerance import (DEFAULT_C, DEFAULT_C_RMS, DEFAULT_REL_FLOOR, Tolerance,
-                                           nondeterministic_profile, ulp_floor)
+from recover_hsdp.verify.options import VerifyOptions
+from recover_hsdp.verify.tolerance import nondeterministic_profile, ulp_floor
 
 
-def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 0.0,
-               c: float = DEFAULT_C, c_rms: float = DEFAULT_C_RMS,
-               rms_atol: float | None = None, rel_floor: float = DEFAULT_REL_FLOOR,
-               device: str = "cpu", until: int | None = None, records_only: bool = False,
-               anchor: bool = True, all_copies: bool = True, envelope: float | None = None,
-               strict: bool = True, c_strict: float | None = None, keep_going: bool = False,
+def verify_run(run_dir: str | Path, options: VerifyOptions | None = None, *,
                on_step: Callable[[StepReport], None] | None = None,
                on_note: Callable[[str], None] | None = None,
-               on_header: Callable[[str], None] | None = None) -> VerifyResult:
+               on_header: Callable[[str], None] | None = None, **changes) -> VerifyResult:
     """Verify a run directory; never raises for a bad run (see ``VerifyResult.exit_code``).
 
-    atol / rms_atol: fixed element / per-flat-parameter RMS tolerances instead of the derived
-    ones (c, c_rms; ``tolerance.py``). anchor (default): after each snapshot that passes,
-    continue the replay from the run's saved parameters (the optimizer state stays the replay's)
-    and restart the tolerance window, so honest fp32 divergence is never amplified by the
-    training dynamics over more than one snapshot interval (docs/verify.md, "Anchoring");
-    anchor=False replays the whole run from the initial parameters alone.
-    all_copies=False: compare only the lowest replica's copy of each shard (large runs).
-    envelope=K: also replay a twin in the HSDP summation order (S row slices per microbatch,
-    per-replica partial sums, reverse replica order) and widen each tolerance to K times the
-    twin-vs-replay difference: an empirical envelope of honest divergence (twice the compute).
-    keep_going: a step whose parameters fail is listed (failed_steps), the replay re-anchors at
-    the run's parameters and goes on; the verdict names the first and counts them all.
+    options: how (VerifyOptions; its defaults are the command line's); keyword ``changes`` are
+    applied on top (``verify_run(d, anchor=False)``). on_step / on_note / on_header: called with
+    each step's report, each note and the header line as they come (the command prints them).
     """
+    opt = (options or VerifyOptions()).replace(**changes)
     t0 = time.perf_counter()
     result = VerifyResult(run_dir=str(run_dir), ok=False, exit_code=EXIT_ERROR, message="")
 
@@ -72,11 +59,7 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
             on_note(text)
 
     try:
-        _verify(Path(run_dir), result, note, tol=Tolerance(c=c, c_rms=c_rms, atol=atol,
-                                                            rms_atol=rms_atol, rtol=rtol),
-                rel_floor=rel_floor, device=device, until=until, records_only=records_only,
-                anchor=anchor, all_copies=all_copies, envelope=envelope, on_step=on_step,
-                on_header=on_header, strict=strict, c_strict=c_strict, keep_going=keep_going)
+        _verify(Path(run_dir), result, note, opt, on_step=on_step, on_header=on_header)
     except _Failed as f:
         result.ok, result.exit_code, result.failed_step = False, EXIT_FAILED, f.step
         result.failure, result.message = f.failure, f"verify: FAILED at {f.message}"
@@ -90,13 +73,13 @@ def verify_run(run_dir: str | Path, *, atol: float | None = None, rtol: float = 
     return result
 
 
-def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_floor, device,
-            until, records_only, anchor, all_copies, on_step, on_header=None,
-            envelope=None, strict=True, c_strict=None, keep_going=False) -> None:
+def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on_step,
+            on_header) -> None:
+    tol = opt.tolerance()
     spec, record, steps, n_epochs = check_before_replay(run_dir, result, note)
     no_epochs_note = ("the step records carry no per-bucket membership epochs (bucket_epochs; "
                       "an older trainer): the one-membership check was skipped")
-    if records_only:
+    if opt.records_only:
         if not n_epochs:
             note(no_epochs_note)
         result.ok, result.exit_code = True, EXIT_OK
@@ -107,7 +90,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
         return
 
     run_device = str((record.meta or {}).get("device") or "cpu")
-    if run_device.split(":")[0] != "cpu" and str(device).split(":")[0] == "cpu":
+    if run_device.split(":")[0] != "cpu" and str(opt.device).split(":")[0] == "cpu":
         raise VerifyInputError(
             f"this run trained on {run_device} (meta.device): a CPU replay cannot judge it "
             f"honestly (different kernels, TF32/bf16 arithmetic; the tolerances are calibrated "
@@ -134,7 +117,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     if spec.restore_enabled is False:
         note("meta.json: restore_enabled=false (debug switch): this run committed unrestored "
              "gradients after failures and is expected to FAIL")
-    dev = torch.device(device)
+    dev = torch.device(opt.device)
     tokenizer = Tokenizer(spec.data_cfg.tokenizer)
     sources: dict[int, Any] = {}
 
@@ -164,24 +147,25 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     optimizer = build_optimizer(model.named_parameters(), spec.optim_cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     twin = None
-    if envelope:
+    if opt.envelope:
         twin_model = build_model(spec.model_cfg, seed=spec.seed, device=dev)
         twin_model.train()
-        twin = (twin_model, build_optimizer(twin_model.named_parameters(), spec.optim_cfg),
-                [p for p in twin_model.parameters() if p.requires_grad])
-    comparator = _Comparator(spec, rel_floor, all_copies)
+        twin = _Arm(twin_model, build_optimizer(twin_model.named_parameters(), spec.optim_cfg),
+                    [p for p in twin_model.parameters() if p.requires_grad])
+    arm, replay = _Arm(model, optimizer, params), _Replay(spec, source, dev, lr_at, set_lr)
+    comparator = _Comparator(spec, opt.rel_floor, opt.all_copies)
     from recover_hsdp.verify.bf16 import setup as bf16_setup
 
     bf16 = bf16_setup(record.meta, model, params, note, spec.shard_size, spec.mbs)  # or None
     strict_chk = None
     nd = nondeterministic_profile(record.meta, tol, note)     # None: a deterministic run
-    if strict:
+    if opt.strict:
         from recover_hsdp.verify.strict import C_STRICT, StrictCheck
 
         c0 = nd["c_strict"] if nd else C_STRICT
         strict_chk = StrictCheck(params, [n for n, p in model.named_parameters()
                                           if p.requires_grad], spec.optim_cfg,
-                                 c0 if c_strict is None else c_strict,
+                                 c0 if opt.c_strict is None else opt.c_strict,
                                  **({"eps": nd["eps"], "max_fraction": nd["max_fraction"]}
                                     if nd else {}))
     covered = {slot.fqn for fl in spec.layout for slot in fl.params}
@@ -201,18 +185,18 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     gap = max((b - a for a, b in zip([-1] + snaps, snaps + [max(steps)])), default=0)
     if gap > 1:
         note(f"parameter snapshots are up to {gap} steps apart: "
-             + ("differences are judged over windows that long; " if anchor else
+             + ("differences are judged over windows that long; " if opt.anchor else
                 "the replay is never re-synchronised (--no-anchor); ")
              + "an unstable phase of training (loss spike) can amplify honest fp32 "
                "differences past the tolerance within a window. For a reliable verdict "
                "save every step (run.save_params_every=1)"
-             + ("" if envelope else ", or widen the tolerance to the measured honest "
+             + ("" if opt.envelope else ", or widen the tolerance to the measured honest "
                                     "divergence with --envelope 10"))
     max_param = max(float(p.detach().abs().max()) for p in params)
     tol.floor = ulp_floor(max_param)
-    result.tolerance = (tol.describe() + ("; anchored at each snapshot" if anchor else "")
-                        + (f"; at least {envelope:g}x the HSDP-order twin's difference"
-                           if envelope else ""))
+    result.tolerance = (tol.describe() + ("; anchored at each snapshot" if opt.anchor else "")
+                        + (f"; at least {opt.envelope:g}x the HSDP-order twin's difference"
+                           if opt.envelope else ""))
     n_snap = len(saved & committed)
     result.header = (f"verify {run_dir}: W_init={spec.w_init} G_init={spec.g_init} B={spec.B} "
                      f"S={spec.shard_size} policy={spec.policy} steps={len(steps)} "
@@ -234,25 +218,23 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
     else:
         note("no params/init snapshot: initial parameters not checked")
 
-    last = max(steps) if until is None else min(max(steps), until)
+    last = max(steps) if opt.until is None else min(max(steps), opt.until)
     failed: list[_Failed] = []
     for s in range(0, last + 1):
         t1 = time.perf_counter()
         rec = steps[s]
-        _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, s,
-                     strict=strict_chk, bf16=bf16)
+        _replay_step(arm, replay, rec, s, strict=strict_chk, bf16=bf16)
         lr = float(lr_at(s, spec.optim_at(s)))
         if twin is not None:
-            _replay_step(twin[0], twin[1], twin[2], rec, source, dev, spec, lr_at, set_lr, s,
-                         hsdp_order=True)
+            _replay_step(twin, replay, rec, s, hsdp_order=True)
         tol.add_step(lr)
         el_tol, bulk_tol, env = tol.element, tol.bulk, None
         if twin is not None and s in saved:
             env = _envelope(model, twin[0], spec.layout)
             if tol.atol is None:
-                el_tol = max(el_tol, envelope * env[0])
+                el_tol = max(el_tol, opt.envelope * env[0])
             if tol.rms_atol is None:
-                bulk_tol = max(bulk_tol, envelope * env[1])
+                bulk_tol = max(bulk_tol, opt.envelope * env[1])
         if s in saved:
             rep = comparator.compare(model, s, el_tol, tol.rtol, bulk_tol)
             rep.envelope = env
@@ -309,10 +291,10 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                                             "tol": el_tol, "rms_tol": bulk_tol,
                                             "strict_ratio": rep.strict_ratio}))
             result.failed_steps.append(s)
-            if not keep_going:
+            if not opt.keep_going:
                 raise failed[0]
         prev_is_run = False
-        if anchor and rep.compared and comparator.load_into(model, s):
+        if opt.anchor and rep.compared and comparator.load_into(model, s):
             if twin is not None:
                 comparator.load_into(twin[0], s)
             tol.reset_window()
@@ -341,14 +323,34 @@ def _verify(run_dir: Path, result: VerifyResult, note, *, tol: Tolerance, rel_fl
                          "  strict=0 steps") + partial)
 
 
-def _replay_step(model, optimizer, params, rec, source, dev, spec, lr_at, set_lr, step,
-                 hsdp_order: bool = False, strict=None, bf16=None) -> None:
+class _Arm(NamedTuple):
+    """One replayed model: the replay, or the envelope's HSDP-order twin."""
+    model: Any
+    optimizer: Any
+    params: list
+
+
+class _Replay(NamedTuple):
+    """What every replayed step reads: the run's spec, its microbatch sources (replica ->
+    source), the device, and the lr schedule (optim.lr_at, optim.set_lr)."""
+    spec: Any
+    source: Callable[[int], Any]
+    dev: Any
+    lr_at: Callable
+    set_lr: Callable
+
+
+def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool = False,
+                 strict=None, bf16=None) -> None:
     """One committed step: sum of the recorded microbatches' gradients / divisor, AdamW step.
 
     Replay order: replica-ascending, id order, each microbatch's S*mbs rows at once, accumulated
     in ``.grad``. ``hsdp_order`` (the envelope twin): each microbatch as S row slices of mbs
     rows, summed per replica, the replicas' partial sums added in reverse order (as the run)."""
     import torch
+
+    model, optimizer, params = arm
+    spec, source, dev, lr_at, set_lr = replay
 
     from recover_hsdp.model import next_token_loss
     from recover_hsdp.optim import clip_grads_

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from recover_hsdp.tools.verify import main as verify_main
+from recover_hsdp.verify import VerifyOptions
 from recover_hsdp.verify.replay import verify_run
 from experiments.verify_synthetic import (Corruption, SyntheticRun, small_data_config,
                                           write_sample_corpus, write_synthetic_run)
@@ -134,11 +135,12 @@ def test_wrong_gradient_fails_at_its_step_far_above_tolerance(data, tmp_path, ca
 
 
 def test_unanchored_mode(good, data, tmp_path):
-    res = verify_run(good, anchor=False)
+    unanchored = VerifyOptions(anchor=False)
+    res = verify_run(good, unanchored)
     assert res.ok and "anchored" not in res.tolerance, res.message
     run = write_synthetic_run(tmp_path / "r", _spec(data, steps=2, corruptions=(
         Corruption("stale_buckets", 1, buckets=(0,)),)))
-    res = verify_run(run, anchor=False)
+    res = verify_run(run, unanchored)
     assert res.exit_code == 1 and res.failed_step == 1, res.message
 
 
@@ -149,8 +151,9 @@ def test_anchoring_uses_the_runs_parameters(copy):
     for r in (0, 2, 3):                      # replica 1 died in step 1
         _tamper(copy, 1, 0, r, 0, 1e-5)
     # (the strict per-coordinate check is off here: it rejects such an offset, see below)
-    anchored = verify_run(copy, strict=False)
-    plain = verify_run(copy, anchor=False, strict=False)
+    lax = VerifyOptions(strict=False)
+    anchored = verify_run(copy, lax)
+    plain = verify_run(copy, lax, anchor=False)     # keywords change the options given
     assert anchored.ok and plain.ok, (anchored.message, plain.message)
     assert anchored.reports[1].max_abs >= 9e-6 and plain.reports[1].max_abs >= 9e-6
     assert anchored.reports[2].max_abs >= 9e-6 > 5e-6 > plain.reports[2].max_abs
@@ -256,6 +259,14 @@ def test_init_mismatch_is_reported_as_such(copy, capsys):
     (copy / "meta.json").write_text(json.dumps({**meta, "seed": meta["seed"] + 1}))
     rc, out = _verify(copy, capsys=capsys)
     assert rc == 1 and "verify: FAILED at init (" in out and "build_model(seed=1)" in out, out
+
+
+def test_verify_options_carry_every_option_and_refuse_unknown_ones():
+    assert VerifyOptions().replace(envelope=10) == VerifyOptions(envelope=10)
+    tol = VerifyOptions(c=2.0, rms_atol=1e-3).tolerance()
+    assert (tol.c, tol.rms_atol, tol.atol) == (2.0, 1e-3, None)
+    with pytest.raises(TypeError, match="ancor"):
+        verify_run("/nonexistent", ancor=False)
 
 
 def test_one_copy_mode(good):
