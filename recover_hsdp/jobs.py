@@ -92,7 +92,7 @@ def plain_mpirun(cmd: Sequence[str]) -> list[str]:
 
 
 def job_command(job: Job, config_path: Path, env: dict[str, str]) -> list[str]:
-    from recover_hsdp.launch import exported_vars, mpirun_command
+    from recover_hsdp.launcher.command import exported_vars, mpirun_command
 
     run = job.cfg.run
     cmd = mpirun_command(int(run.np), config_path, mpirun=run.mpirun,
@@ -103,7 +103,7 @@ def job_command(job: Job, config_path: Path, env: dict[str, str]) -> list[str]:
 
 
 def job_env(job: Job, store: str) -> dict[str, str]:
-    from recover_hsdp.launch import rank_env
+    from recover_hsdp.launcher.command import rank_env
 
     import uuid
 

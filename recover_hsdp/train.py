@@ -200,7 +200,7 @@ def _check_inputs(checked) -> None:
 # Launching one job
 # ---------------------------------------------------------------------------------------------
 def worker_fn_spec() -> str:
-    from recover_hsdp.launch import DEFAULT_WORKER_FN, ENV_WORKER_FN
+    from recover_hsdp.launcher.command import DEFAULT_WORKER_FN, ENV_WORKER_FN
 
     return os.environ.get(ENV_WORKER_FN) or DEFAULT_WORKER_FN
 
@@ -224,7 +224,7 @@ def launch_job(job: Job) -> JobResult:
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launch import default_store_host, run_job
+    from recover_hsdp.launcher.command import default_store_host, run_job
 
     if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
@@ -328,7 +328,7 @@ def run_jobs(jobs: Sequence[Job], *, sweep: bool) -> int:
 def load_worker_fn(cfg=None):
     """The worker function: RECOVER_HSDP_WORKER_FN if set, else the plain-FSDP loop for
     ``baseline`` reference/checkpoint_restart, else the resilient trainer."""
-    from recover_hsdp.launch import ENV_WORKER_FN
+    from recover_hsdp.launcher.command import ENV_WORKER_FN
 
     spec = worker_fn_spec()
     if cfg is not None and not os.environ.get(ENV_WORKER_FN) and baseline_name(cfg) != "none":

@@ -158,7 +158,7 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
     here; output goes to WORK/NAME.log. Returns {ok?, wall_s, load, log, returncode, stopped}."""
     import yaml
 
-    from recover_hsdp import launch as L
+    from recover_hsdp.launcher import command as L
     from recover_hsdp.hsdp.topology import serve_store
 
     cfg_path = work / f"{name}.yaml"

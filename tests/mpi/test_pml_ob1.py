@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp import launch
+from recover_hsdp.launcher import command as launch
 from recover_hsdp.collectives import launch as claunch
 from recover_hsdp.collectives.launch import mpi_env
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp import launch
+from recover_hsdp.launcher import command as launch
 from tests._wait import Deadline, until, wait_dead
 from recover_hsdp.config import TrainConfigError
 from recover_hsdp.train import (

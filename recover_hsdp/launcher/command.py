@@ -1,6 +1,7 @@
 """mpirun launcher helpers: the command line, the ranks' environment, running and stopping a job.
 
-Used by `recover-hsdp train` (recover_hsdp/train.py) and launch/local.sh. Facts this relies on
+Used by `recover-hsdp train` (recover_hsdp/train.py) and launch/local.sh.
+Moved from recover_hsdp/launch.py (issue 25). Facts this relies on
 (docs/cli.md, /work/shared/notes/feasibility.md):
 
 * ULFM needs ``mpirun --with-ft ulfm``; direct ``srun`` launch of the ranks is NOT supported by
@@ -13,7 +14,7 @@ Used by `recover-hsdp train` (recover_hsdp/train.py) and launch/local.sh. Facts 
   only the launcher), stops it with SIGTERM, and SIGKILLs whatever of its process tree is left
   after a grace period.
 * The rendezvous TCPStore is hosted by the launcher, outside the training ranks
-  (``RECOVER_HSDP_STORE=host:port``), so rank 0 is not special. ``python -m recover_hsdp.launch
+  (``RECOVER_HSDP_STORE=host:port``), so rank 0 is not special. ``python -m recover_hsdp.launcher.command
   store`` serves one for shell scripts (launch/local.sh).
 """
 from __future__ import annotations
@@ -92,7 +93,7 @@ def rank_env(store: str, *, omp_num_threads: int = 1, shard_timeout_s: float | N
         env[ENV_SHARD_TIMEOUT] = repr(float(shard_timeout_s))
     env.setdefault("PYTHONUNBUFFERED", "1")
     # the ranks import this very tree, installed or not, whatever their working directory
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         env["PYTHONPATH"] = os.pathsep.join([root] + paths)
@@ -282,13 +283,13 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
 
 
 # ---------------------------------------------------------------------------------------------
-# `python -m recover_hsdp.launch ...` for shell launchers
+# `python -m recover_hsdp.launcher.command ...` for shell launchers
 # ---------------------------------------------------------------------------------------------
-_USAGE = """usage: python -m recover_hsdp.launch store [HOST]
+_USAGE = """usage: python -m recover_hsdp.launcher.command store [HOST]
     serve a TCPStore for the ranks' rendezvous; prints "host:port" on the first line, then serves
     until SIGTERM/SIGINT/SIGHUP or until its parent exits (launch/local.sh exports the address
     as RECOVER_HSDP_STORE)
-       python -m recover_hsdp.launch mpirun-args NP
+       python -m recover_hsdp.launcher.command mpirun-args NP
     print the base mpirun arguments (one per line) for NP ranks as this user"""
 
 
