@@ -58,7 +58,7 @@ trap cleanup EXIT
 
 if [ -z "${RECOVER_HSDP_STORE:-}" ]; then
   store_out=$(mktemp)
-  "$PYTHON" -m recover_hsdp.launcher.command store "${STORE_HOST:-127.0.0.1}" >"$store_out" &
+  "$PYTHON" -m recover_hsdp.launcher.store "${STORE_HOST:-127.0.0.1}" >"$store_out" &
   store_pid=$!
   for _ in $(seq 600); do                       # up to 60 s (importing torch on a busy box)
     [ -s "$store_out" ] && break

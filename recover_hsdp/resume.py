@@ -263,7 +263,8 @@ def run_resilient(job) -> JobResult:
 
     from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launcher.command import default_store_host, run_job
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
     from recover_hsdp.record import RecordError, read_run
     from recover_hsdp.record.checkpoint import (append_segment, latest_complete,
                                                 read_segments, truncate_steps)

@@ -224,7 +224,8 @@ def launch_job(job: Job) -> JobResult:
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launcher.command import default_store_host, run_job
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
 
     if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart

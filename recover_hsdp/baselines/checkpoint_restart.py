@@ -118,7 +118,9 @@ def run_checkpoint_restart(job) -> Any:
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launcher.command import ENV_WORKER_FN, default_store_host, run_job
+    from recover_hsdp.launcher.command import ENV_WORKER_FN
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
     from recover_hsdp.record import JsonlAppender, write_summary
 
     cfg = job.cfg

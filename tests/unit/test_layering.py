@@ -31,8 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.data", "recover_hsdp.faults", "recover_hsdp.optim"),   # faults log to the record
     ("recover_hsdp.model",),                       # LLaMA + the FSDP wrap policy; reads data
     ("recover_hsdp.hsdp",),                        # FSDP plumbing, agreement, the manager
-    ("recover_hsdp.launcher",),                    # the supervisor (moving in: issue 25)
+    ("recover_hsdp.launcher.store",),              # the store host: config validates it
     ("recover_hsdp.config",),                      # compose, resolve, validate; config -> objects
+    ("recover_hsdp.launcher",),                    # the supervisor (moving in: issue 25)
     ("recover_hsdp.jobs", "recover_hsdp.hsdp.trainer"),   # a launched job; the per-rank worker
     ("recover_hsdp.baselines", "recover_hsdp.peers", "recover_hsdp.verify", "recover_hsdp.sim",
      "recover_hsdp.resume"),
