@@ -229,8 +229,8 @@ def _watchers(cfg, run_dir: Path):
     heartbeat, run.hang_timeout_s > 0); the previous segment's heartbeats are cleared first."""
     if not cfg.run.get("hang_timeout_s"):
         return None, None
-    from recover_hsdp.faults.watchdog import HangWatchdog
-    from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
+    from recover_hsdp.launcher.watchdog import HangWatchdog
+    from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
 
     clear_startup_state(run_dir)
     watchdog = HangWatchdog(run_dir, float(cfg.run.hang_timeout_s), float(cfg.run.heartbeat_s),
@@ -241,10 +241,10 @@ def _watchers(cfg, run_dir: Path):
 
 
 def end_watch(cfg, run_dir: Path, env: dict):
-    """Stops an mpirun that outlives every one of its ranks (faults/startup.EndWatch); only the
+    """Stops an mpirun that outlives every one of its ranks (launcher/startup.EndWatch); only the
     heartbeats of this launch (``env``'s launch id) count."""
     from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
-    from recover_hsdp.faults.startup import EndWatch
+    from recover_hsdp.launcher.startup import EndWatch
 
     return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s),
                     launch_id=env.get(ENV_LAUNCH_ID))

@@ -242,7 +242,7 @@ def launch_job(job: Job) -> JobResult:
     config_path = ldir / "config.yaml"
     OmegaConf.save(job.cfg, config_path, resolve=True)
     host = job.cfg.run.store_host or default_store_host()
-    from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
+    from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
     tries = 1 + int(job.cfg.run.get("start_retries", 1) or 0)
     for attempt in range(1, tries + 1):   # a death before the world forms: launch again
         try:
@@ -257,7 +257,7 @@ def launch_job(job: Job) -> JobResult:
                 print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
                 watchdog = None
                 if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict, SIGKILL from here
-                    from recover_hsdp.faults.watchdog import HangWatchdog
+                    from recover_hsdp.launcher.watchdog import HangWatchdog
 
                     watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
                                             float(job.cfg.run.heartbeat_s),

@@ -11,10 +11,10 @@ Two halves (docs/faults.md, "Fault classes"):
   :func:`is_peer_failure` says "my replica lost a member" and it leaves by ``replica_lost_exit``.
 * **Hung ranks.** :class:`Heartbeat` is a daemon thread rewriting ``ranks/rank{g}.json`` (pid,
   host, time, progress counter, announced long phase, clean-exit mark) every ``period_s``;
-  ``faults/watchdog.py`` ``HangWatchdog`` (in the launcher, on the ranks' node) SIGKILLs a rank
+  ``launcher/watchdog.py`` ``HangWatchdog`` (in the launcher, on the ranks' node) SIGKILLs a rank
   whose heartbeat is older than ``timeout_s`` (a waiting rank still beats: collectives release
   the GIL), one whose progress stalled outside a long phase (``progress_timeout_s``, on by
-  default: ``auto``), and, through faults/reaper.py, the mates of a rank that died that do not
+  default: ``auto``), and, through launcher/reaper.py, the mates of a rank that died that do not
   notice it (NCCL).
 
 The launcher judges a job whose replicas all logged an error of the same class as a user error:

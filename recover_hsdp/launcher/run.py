@@ -103,8 +103,8 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, log_path: str | os.Pa
     """Run ``cmd`` (mpirun ...) to completion, streaming its merged stdout/stderr to ``stdout``
     (default: this process's stdout) and ``log_path``. Ctrl-C, SIGTERM to the launcher, or
     ``time_limit_s`` stop the job (:func:`stop_job`); the outcome says which. ``watch`` (polled
-    every 0.2 s) returning a line stops it too: a start-up failure (faults/startup.py). So does
-    ``ended`` (faults/startup.EndWatch): every rank ended, mpirun did not (outcome "ended")."""
+    every 0.2 s) returning a line stops it too: a start-up failure (launcher/startup.py). So does
+    ``ended`` (launcher/startup.EndWatch): every rank ended, mpirun did not (outcome "ended")."""
     out = stdout if stdout is not None else sys.stdout.buffer
     log = open(log_path, "ab") if log_path is not None else None
     t0 = time.monotonic()

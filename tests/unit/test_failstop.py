@@ -13,7 +13,7 @@ import pytest
 from tests import _procs
 
 from recover_hsdp.faults import failstop as fs
-from recover_hsdp.faults.watchdog import HangWatchdog
+from recover_hsdp.launcher.watchdog import HangWatchdog
 from tests._wait import until
 
 
