@@ -189,12 +189,12 @@ def _first_commit_time(run_dir: Path, segment: int) -> float | None:
 
 def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
     """(config for the relaunch, message) after a segment whose mpirun output says a remote
-    daemon was lost (faults/nodeloss.py); (None, message) if it cannot be planned; (None, "")
+    daemon was lost (launcher/nodeloss.py); (None, message) if it cannot be planned; (None, "")
     if no node was lost. The relaunch keeps B: W' replicas x G' = B on the hostfile minus the
     lost node (written to launcher/hosts.seg{k+1})."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.faults.nodeloss import (hostfile_in, lost_daemon_vpid, lost_node,
+    from recover_hsdp.launcher.nodeloss import (hostfile_in, lost_daemon_vpid, lost_node,
                                               parse_hostfile, plan_after_node_loss,
                                               relaunch_args)
 
