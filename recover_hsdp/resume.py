@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED,  # noqa: F401
+from recover_hsdp.launcher.job import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED,  # noqa: F401
                                EXIT_TIME_LIMIT, LAUNCHER_DIR,
                                PROG, JobResult, baseline_name, holds_run, job_command, job_env,
                                print_error)

@@ -41,7 +41,7 @@ ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
 ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
 ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
-ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (jobs.job_env): heartbeats name it
+ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (launcher/job.job_env): heartbeats name it
 ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"   # chaos: SIGUSR1 -> InjectedFault
 #: a heartbeat starts inside the announced phase "start-up" (world formation, the model's
 #: sharding, a checkpoint load, the initial snapshot), ended by the first step (step_begins):

@@ -33,8 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.hsdp",),                        # FSDP plumbing, agreement, the manager
     ("recover_hsdp.launcher.store",),              # the store host: config validates it
     ("recover_hsdp.config",),                      # compose, resolve, validate; config -> objects
-    ("recover_hsdp.launcher",),                    # the supervisor (moving in: issue 25)
-    ("recover_hsdp.jobs", "recover_hsdp.hsdp.trainer"),   # a launched job; the per-rank worker
+    ("recover_hsdp.hsdp.trainer",),                # the per-rank worker (workers/, to come)
+    ("recover_hsdp.launcher",),                    # the supervisor: everything outside the ranks
     ("recover_hsdp.baselines", "recover_hsdp.peers", "recover_hsdp.verify", "recover_hsdp.sim",
      "recover_hsdp.resume"),
     ("recover_hsdp.train",),                       # `recover-hsdp train`
