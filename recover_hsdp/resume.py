@@ -34,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover_hsdp.launcher.job import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED,  # noqa: F401
-                               EXIT_TIME_LIMIT, LAUNCHER_DIR,
-                               PROG, JobResult, baseline_name, holds_run, job_command, job_env,
-                               print_error)
+from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, JobResult,  # noqa: F401
+                                       baseline_name, holds_run, job_command, job_env,
+                                       print_error)
+from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK,  # noqa: F401
+                                         EXIT_PREEMPTED, EXIT_TIME_LIMIT)
 
 
 

@@ -41,12 +41,13 @@ from typing import Any, Sequence
 
 # the job description, exit codes and mpirun line live below this module and the
 # checkpoint-restart baseline, which both launch jobs (re-exported here for callers)
-from recover_hsdp.launcher.job import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED,  # noqa: F401
-                               EXIT_OK, EXIT_TIME_LIMIT, LAUNCHER_DIR, PROG, Job, JobResult,
-                               baseline_name, holds_run, job_command, job_env, print_error)
-# judging a finished job from its run directory, and reporting it, live in launcher/job.py too
-from recover_hsdp.launcher.job import (format_summary, format_table, judge_run,  # noqa: F401
-                               overall_exit)
+from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, Job, JobResult,  # noqa: F401
+                                       baseline_name, holds_run, job_command, job_env,
+                                       print_error)
+# judging a finished job from its run directory, the exit codes, and reporting it
+from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED,  # noqa: F401
+                                         EXIT_INTERRUPTED, EXIT_OK, EXIT_TIME_LIMIT,
+                                         format_summary, format_table, judge_run, overall_exit)
 
 USAGE = f"""usage: {PROG} [-m|--multirun] [--dry-run] [--print-config] [KEY=VALUE|GROUP=OPTION ...]
 

@@ -31,9 +31,11 @@ from typing import Any
 
 from recover_hsdp.baselines import (ENV_ATTEMPT, PLAIN_WORKER_FN, RESTARTS, attempt_dir)
 from recover_hsdp.baselines.plain_worker import latest_checkpoint
-from recover_hsdp.launcher.job import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
-                               EXIT_TIME_LIMIT, LAUNCHER_DIR, PROG, ULFM_FLAGS, JobResult,
-                               holds_run, job_command, job_env, plain_mpirun, print_error)
+from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, ULFM_FLAGS,  # noqa: F401
+                                       JobResult, holds_run, job_command, job_env,
+                                       plain_mpirun, print_error)
+from recover_hsdp.launcher.judge import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                                         EXIT_TIME_LIMIT)
 
 
 
