@@ -174,7 +174,7 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
                                    f"choose another run.output_dir/run.name or set "
                                    f"run.overwrite=true")
         if cfg.run.get("resume", False):   # issue 14: a checkpoint to resume from, compatible
-            from recover_hsdp.resume import check_resume_dir
+            from recover_hsdp.launcher.resume import check_resume_dir
             check_resume_dir(cfg, run_dir)
         jobs.append(Job(i if multirun else None, list(ovs), swept, cfg, checked))
     dirs = [j.run_dir for j in jobs]
@@ -232,7 +232,7 @@ def launch_job(job: Job) -> JobResult:
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
 
         return run_checkpoint_restart(job)
-    from recover_hsdp.resume import run_resilient, wants_supervisor   # issue 14
+    from recover_hsdp.launcher.resume import run_resilient, wants_supervisor   # issue 14
     if wants_supervisor(job.cfg):
         return run_resilient(job)
     run_dir = job.run_dir
@@ -268,7 +268,7 @@ def launch_job(job: Job) -> JobResult:
                 start = StartupWatch(run_dir, int(job.cfg.run.np),
                                      job.cfg.run.get("startup_timeout_s")) if watchdog else None
                 try:
-                    from recover_hsdp.resume import end_watch
+                    from recover_hsdp.launcher.resume import end_watch
 
                     end = end_watch(job.cfg, run_dir, env) if watchdog else None
                     outcome = run_job(cmd, env, log_path=ldir / "output.log",

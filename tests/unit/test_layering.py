@@ -35,8 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.config",),                      # compose, resolve, validate; config -> objects
     ("recover_hsdp.hsdp.trainer",),                # the per-rank worker (workers/, to come)
     ("recover_hsdp.launcher",),                    # the supervisor: everything outside the ranks
-    ("recover_hsdp.baselines", "recover_hsdp.peers", "recover_hsdp.verify", "recover_hsdp.sim",
-     "recover_hsdp.resume"),
+    ("recover_hsdp.baselines", "recover_hsdp.peers", "recover_hsdp.verify", "recover_hsdp.sim"),
     ("recover_hsdp.train",),                       # `recover-hsdp train`
     ("recover_hsdp.tools",),                       # commands: verify, report, plan, ...
     ("recover_hsdp.bench",),                       # benchmarks on one harness; read tools' report

@@ -83,10 +83,10 @@ def test_no_plan_reasons():
 
 
 def test_launcher_relaunch_config(tmp_path):
-    """The supervisor's step (recover_hsdp/resume.py): PRTE's message -> the next segment's
+    """The supervisor's step (recover_hsdp/launcher/resume.py): PRTE's message -> the next segment's
     config: W' x G' = B, run.np = W' x S, the hostfile without the lost node."""
     from recover_hsdp.config import compose_config, resolve_config, validate
-    from recover_hsdp.resume import node_loss_config
+    from recover_hsdp.launcher.resume import node_loss_config
 
     hosts = tmp_path / "hosts"
     hosts.write_text("rn1 slots=4\nrn2 slots=4\n")

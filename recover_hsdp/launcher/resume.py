@@ -1,4 +1,5 @@
-"""The launcher side of checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md).
+"""The relaunch / resume policy of the resilient trainer (issue 14, docs/checkpoint.md; moved
+from recover_hsdp/resume.py, issue 25).
 
 `recover-hsdp train` hands a job here (instead of one plain launch) when run.ckpt_interval > 0,
 run.resume=true or run.min_replicas > 0. One policy decides what happens when a segment (one
