@@ -288,7 +288,8 @@ class Heartbeat:
 
     def beat(self) -> None:
         with self._lock:    # the record is read and written whole: a later beat has a later state
-            rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            rec = {"rank": self.rank, "replica": _state["replica"], "pid": os.getpid(),
+                   "host": socket.gethostname(),
                    "time": time.time(), "progress": self.progress, "phase": self.phase, "done":
                    self.done, "phase_until": self.phase_until, "period_s": self.period_s,
                    "step_s": self.step_s, "progress_time": self.progress_time,

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from recover_hsdp.faults.failstop import ERRORS_DIR
+from recover_hsdp.faults.failstop import ERRORS_DIR, RANKS_DIR
 from recover_hsdp.launcher.job import PROG, Job, JobResult, baseline_name
 
 EXIT_OK = 0
@@ -239,3 +240,102 @@ def overall_exit(results: Sequence[JobResult]) -> int:
     if all(c in (EXIT_OK, EXIT_CONFIG) for c in codes):  # the same missing input on every rank
         return EXIT_CONFIG
     return EXIT_TIME_LIMIT if all(c in (EXIT_OK, EXIT_TIME_LIMIT) for c in codes) else EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------------------------
+# Judging a `recover-hsdp launch` (any rank program) from what its ranks left
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class LaunchVerdict:
+    exit_code: int
+    line: str                                   # the one-line verdict
+    causes: list[str] = field(default_factory=list)   # one line per distinct rank failure cause
+    replicas_done: list[int] = field(default_factory=list)
+    replicas_lost: list[int] = field(default_factory=list)
+    replicas: int = 1
+    shard_size: int = 1
+
+
+def _read(p: Path) -> Optional[dict]:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _signame(n: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def launch_shape(run_dir: os.PathLike | str, np: int) -> tuple[int, int]:
+    """(W, S) of the loop as its ranks' heartbeats say (each names its replica); (1, np) for a
+    program that wrote none (no manager: the world is its one replica)."""
+    d = Path(run_dir) / RANKS_DIR
+    reps = {hb["replica"] for g in range(np)
+            if (hb := _read(d / f"rank{g}.json")) and isinstance(hb.get("replica"), int)}
+    if not reps or np % len(reps):
+        return 1, np
+    return len(reps), np // len(reps)
+
+
+def _cause(d: Path, g: int) -> tuple[str, str]:
+    """(cause, evidence file) of rank g's failure; ("", "") if it exited 0 with its done mark."""
+    err = _read(d / ERRORS_DIR / f"rank{g}.json")
+    if err is not None:
+        return f"{err.get('class')}: {err.get('message')}", f"{ERRORS_DIR}/rank{g}.json"
+    for kind, what in (("hung", "judged hung by the watchdog (no heartbeat or no progress)"),
+                       ("reaped", "reaped: a still mate of a rank that died"),
+                       ("fired", "a scheduled kill (failure simulator)")):
+        if (d / "faults" / f"{kind}.rank{g}.json").exists():
+            return what, f"faults/{kind}.rank{g}.json"
+    ex = _read(d / RANKS_DIR / f"exit.rank{g}.json")
+    if ex is None:
+        return "ended without an exit record (never started, or its node was lost)", ""
+    if "signal" in ex:
+        return f"killed by {_signame(int(ex['signal']))}", f"{RANKS_DIR}/exit.rank{g}.json"
+    if int(ex.get("code", 1)) != 0:
+        return f"exited with code {ex['code']}", f"{RANKS_DIR}/exit.rank{g}.json"
+    return "", ""
+
+
+def judge_launch(run_dir: os.PathLike | str, np: int, stopped: Optional[str] = None
+                 ) -> LaunchVerdict:
+    """0 when every rank of at least one replica exited 0 with its done mark and none of them
+    was judged; 2 when every replica hit the same error (a user error); else 1 (3 / 130 when
+    the time limit / an interrupt stopped a job that had not succeeded)."""
+    d = Path(run_dir)
+    W, S = launch_shape(d, np)
+    bad: dict[int, tuple[str, str]] = {g: c for g in range(np) if (c := _cause(d, g))[0]}
+    done = [r for r in range(W) if not any(g in bad for g in range(r * S, r * S + S))]
+    lost = [r for r in range(W) if r not in done]
+    by_cause: dict[str, list[int]] = {}
+    for g, (c, _) in sorted(bad.items()):
+        by_cause.setdefault(c, []).append(g)
+    causes = []
+    for c, gs in by_cause.items():
+        files = [bad[g][1] for g in gs if bad[g][1]]
+        where = f" ({files[0]}" + (f", +{len(files) - 1} more" if len(files) > 1 else "") + ")" \
+            if files else ""
+        causes.append(f"rank{'s' if len(gs) > 1 else ''} {', '.join(map(str, gs))}: {c}{where}")
+    v = LaunchVerdict(EXIT_OK, "", causes, done, lost, W, S)
+    if done:
+        v.line = (f"OK: replica{'s' if len(done) > 1 else ''} {done} of {W} finished (every rank "
+                  f"exited 0)" + (f"; lost: {lost}" if lost else ""))
+        return v
+    common = common_error(d, W, S) if W > 1 else common_error(d, np, 1)
+    if common is not None:
+        line = common[0]
+        if "!= world size" in line:
+            line = f"-n {np} is not W x S of the loop: {line}"
+        v.exit_code, v.line = EXIT_CONFIG, line
+        return v
+    v.exit_code = {"time_limit": EXIT_TIME_LIMIT, "interrupted": EXIT_INTERRUPTED}.get(
+        stopped or "", EXIT_FAILED)
+    v.line = (f"FAILED: no replica finished ({len(bad)} of {np} ranks failed"
+              + (f"; stopped: {stopped}" if stopped else "") + ")")
+    return v
