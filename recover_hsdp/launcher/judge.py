@@ -330,8 +330,9 @@ def judge_launch(run_dir: os.PathLike | str, np: int, stopped: Optional[str] = N
     common = common_error(d, W, S) if W > 1 else common_error(d, np, 1)
     if common is not None:
         line = common[0]
-        if "!= world size" in line:
-            line = f"-n {np} is not W x S of the loop: {line}"
+        size = [e["message"] for e in read_errors(d) if "!= world size" in str(e.get("message"))]
+        if size:
+            line = f"-n {np} is not W x S of the loop ({size[0]}; tracebacks: {d / ERRORS_DIR})"
         v.exit_code, v.line = EXIT_CONFIG, line
         return v
     v.exit_code = {"time_limit": EXIT_TIME_LIMIT, "interrupted": EXIT_INTERRUPTED}.get(

@@ -154,6 +154,14 @@ def _log(msg: str) -> None:
     print(f"[{PROG}] {msg}", flush=True)
 
 
+#: how long the other ranks may take to end after one failed with an error during start-up
+ERROR_SETTLE_S = 15.0
+
+
+def _all_exited(run_dir: Path, np: int) -> bool:
+    return all((run_dir / "ranks" / f"exit.rank{g}.json").exists() for g in range(np))
+
+
 def _holds_launch(d: Path) -> bool:
     return any((d / n).exists() for n in ("ranks", "errors", "faults", "launcher"))
 
@@ -208,6 +216,8 @@ def launch(o: Options) -> int:
                 end = EndWatch(run_dir, o.np, stale_s=3 * o.hang_timeout_s,
                                launch_id=env[ENV_LAUNCH_ID])
 
+                settle = {"since": None}
+
                 def watch() -> Optional[str]:
                     # the reaper needs S, which the loop's heartbeats tell once they all beat
                     if wd.reaper is None and start.formed:
@@ -216,7 +226,14 @@ def launch(o: Options) -> int:
                         S = launch_shape(run_dir, o.np)[1]
                         if 1 < S < o.np:
                             wd.reaper = MateReaper(run_dir, S, o.hang_timeout_s, wd.log)
-                    return start.poll()
+                    why = start.poll()
+                    if why and start.errors_logged() and not _all_exited(run_dir, o.np):
+                        # a rank failed with an error before the world formed: let the others
+                        # reach theirs (the same error everywhere is a user error), bounded
+                        settle["since"] = settle["since"] or time.monotonic()
+                        if time.monotonic() - settle["since"] < ERROR_SETTLE_S:
+                            return None
+                    return why
 
                 try:
                     outcome = run_job(cmd, env, log_path=ldir / "output.log",

@@ -40,6 +40,8 @@ from recover_hsdp.faults.failstop import CONFIG_ERRORS, ENV_RUN_DIR, ERRORS_DIR,
 EXIT_RECORD = "exit.rank{g}.json"
 #: how much of the program's stderr is kept for an error record (the rest only passes through)
 TAIL_BYTES = 64 * 1024
+#: torch.distributed prefixes an uncaught exception's traceback lines with "[rank<g>]: "
+_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning|Fault))"
                        r"(?::\s*(.*))?$")
 
@@ -78,7 +80,7 @@ def _pump(src, tail: deque, g: Optional[int], tb_path: Optional[Path]) -> None:
         size += len(line)
         while size > TAIL_BYTES and len(tail) > 1:
             size -= len(tail.popleft())
-        s = line.decode("utf-8", "replace").rstrip("\n")
+        s = _PREFIX.sub("", line.decode("utf-8", "replace").rstrip("\n"))
         if tb_path is not None and not held and s.startswith("Traceback (most recent call last)"):
             held.append(line)
             continue
@@ -106,7 +108,8 @@ def _pump(src, tail: deque, g: Optional[int], tb_path: Optional[Path]) -> None:
 def error_from_stderr(text: str) -> tuple[str, str]:
     """(class, message) of the last exception line of a Python traceback in ``text``; else
     ("ExitError", the last non-empty line)."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [_PREFIX.sub("", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
     for ln in reversed(lines[-40:]):
         m = _EXC_LINE.match(ln)
         if m:
