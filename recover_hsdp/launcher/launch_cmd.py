@@ -184,6 +184,11 @@ def launch(o: Options) -> int:
     from recover_hsdp.launcher.watchdog import HangWatchdog
 
     run_dir = Path(o.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if not o.run_dir:       # a default name is never an earlier launch's
+        base, k = run_dir, 1
+        while _holds_launch(run_dir):
+            k += 1
+            run_dir = base.with_name(f"{base.name}-{k}")
     if _holds_launch(run_dir):
         if not o.overwrite:
             print(f"{PROG}: error: {run_dir} holds an earlier launch (--overwrite to reuse it)",
