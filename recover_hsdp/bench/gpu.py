@@ -320,7 +320,7 @@ class Bench:
 
     # --- 4 ---------------------------------------------------------------------------------
     def s4_staging(self) -> dict:
-        from recover_hsdp.collectives.launch import mpi_env, mpirun_command
+        from recover_hsdp.launcher.command import mpi_env, mpirun_prefix as mpirun_command
 
         mb = self.args.staging_mb or (8.0 if self.cpu else 256.0)
         out = Path(tempfile.mkdtemp(prefix="bench_gpu_staging_", dir=self.out))

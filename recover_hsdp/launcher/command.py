@@ -8,6 +8,8 @@ this relies on (docs/cli.md, /work/shared/notes/feasibility.md):
   cores run (CPU tests); as root mpirun also needs ``--allow-run-as-root``.
 * The store is served outside the ranks (launcher/store.py); running and stopping a job is
   launcher/run.py.
+* FT_COLL / FT_PML, mpirun_prefix and mpi_env (the collectives benchmark's and the MPI tests'
+  launch line) were collectives/launch.py: the rank side never needed them.
 """
 from __future__ import annotations
 
@@ -26,6 +28,73 @@ ENV_WORKER_FN = "RECOVER_HSDP_WORKER_FN"
 DEFAULT_WORKER_FN = "recover_hsdp.hsdp.trainer:run_worker"
 
 
+#: The collective components every ULFM launch selects (``--mca coll FT_COLL``): the ones the
+#: ULFM maintainers list as TESTED under failures (Open MPI's amca-param-sets/ft-mpi: "coll
+#: base/basic, tuned, ftagree, libnbc"), plus ``self`` (one-rank communicators). This excludes
+#: ``han`` (hierarchical, selected when a communicator spans nodes: it ignores the errors of its
+#: inner collectives, ompi #11794, and segfaulted in mca_coll_han_comm_create after a kill here
+#: and in ompi #13915), ``hcoll``/``ucc``/``cuda`` and the untested rest. On one node the
+#: selected set is identical with and without it (han disqualifies itself), so it costs nothing
+#: (measured: docs/collectives.md, "Collective components under failures").
+FT_COLL = "self,basic,tuned,libnbc,ftagree"
+
+
+#: The point-to-point layer every ULFM launch selects (``--mca pml FT_PML``): ob1, the only PML
+#: ULFM supports. The Open MPI wheel also ships UCX (pml ucx), over which ULFM is NOT supported;
+#: ``--with-ft ulfm`` loads the ft-mpi parameter set, which selects ob1 today, but an
+#: ``OMPI_MCA_pml`` in the environment (or a site's default) would win over it: the command line
+#: wins over both (tests/unit/test_pml_ob1.py checks what a launch really used).
+FT_PML = "ob1"
+
+
+def ft_coll_args() -> list[str]:
+    """``--mca coll <FT_COLL>``."""
+    return ["--mca", "coll", FT_COLL]
+
+
+def ft_pml_args() -> list[str]:
+    """``--mca pml <FT_PML>``."""
+    return ["--mca", "pml", FT_PML]
+
+
+def mpirun_prefix(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
+    """`mpirun [--with-ft ulfm --mca coll FT_COLL --mca pml ob1] --oversubscribe --bind-to none
+    [--allow-run-as-root] -n N ...`: the line of the collectives benchmark and the MPI tests
+    (moved from collectives/launch.py's mpirun_command, issue 25).
+
+    --oversubscribe and --bind-to none: more ranks than cores is the normal case here, and
+    binding every rank to one core would serialise them. mpi_yield_when_idle: Open MPI 5 does
+    not turn it on by itself when oversubscribed, and ranks spinning in MPI then steal the cores
+    from the ranks doing the work (64 MB all-reduce on 4 ranks / 2 cores: ~1.7x faster with it,
+    docs/collectives.md). As root Open MPI refuses to start without --allow-run-as-root.
+    """
+    cmd = [find_mpirun()]
+    if ft:
+        cmd += ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args()]
+    cmd += ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-n", str(int(nprocs)), *extra_args]
+    return cmd
+
+
+def mpi_env(extra: Mapping[str, str] | None = None, *, pythonpath: str | None = None
+            ) -> dict[str, str]:
+    """The environment for the ranks: this venv's bin first on PATH (mpirun starts prted and the
+    ranks from there), one intra-op thread per rank, root allowed when running as root."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"]
+                                          if env.get("PYTHONPATH") else "")
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
 def find_mpirun(explicit: str | None = None) -> str:
     """``explicit``, else the mpirun next to this Python (the venv's ULFM build), else PATH."""
     if explicit:
@@ -41,8 +110,6 @@ def base_mpirun_args(np: int, *, euid: int | None = None,
     """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe [--allow-run-as-root]
     -n NP [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``; ob1:
     the only PML ULFM supports, never UCX)."""
-    from recover_hsdp.collectives.launch import ft_coll_args, ft_pml_args
-
     euid = os.geteuid() if euid is None else euid
     args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe"]
     if euid == 0:
