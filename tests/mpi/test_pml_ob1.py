@@ -34,7 +34,7 @@ def _run(cmd: list[str]) -> str:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("path", ["command.mpirun_prefix", "command.base_mpirun_args",
                                   "launch/local.sh"])
-def test_every_launch_path_runs_on_ob1(ulfm_ready, path):
+def test_every_launch_path_runs_on_ob1(ulfm_ready, path, tmp_path):
     if path == "command.mpirun_prefix":
         cmd = launch.mpirun_prefix(1) + RANK
     elif path == "command.base_mpirun_args":
@@ -42,7 +42,7 @@ def test_every_launch_path_runs_on_ob1(ulfm_ready, path):
     else:
         cmd = ["bash", str(ROOT / "launch" / "local.sh"), *RANK]
     if path == "launch/local.sh":
-        cmd = ["env", "NP=1"] + cmd
+        cmd = ["env", "NP=1", f"RUN_DIR={tmp_path / 'run'}"] + cmd
     out = _run(cmd)
     assert SELECTED in out, out[-2000:]
     assert "initializing pml component ucx" not in out
