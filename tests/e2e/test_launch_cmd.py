@@ -2,17 +2,22 @@
 HSDPULFMTrainingManager, W=3 S=1, supervised as `recover-hsdp train` is. A rank SIGKILLed or
 raising at step 2 (the loop itself does it when it reaches the step: no timing): the survivors
 commit every step, the launch exits 0 and names the lost rank and its cause; -n that is not the
-loop's W x S is one line and exit 2."""
+loop's W x S is one line and exit 2; a rank SIGSTOPped while the test gate holds the job is
+judged hung by the watchdog and SIGKILLed, the survivors finish."""
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests._gate import TestGate
 from tests._procs import current_deadline, run
+from tests._wait import Deadline
 
 pytestmark = [pytest.mark.mpi]
 
@@ -75,3 +80,32 @@ def test_n_not_w_times_s_is_one_line_exit_2(tmp_path):
         "recover-hsdp launch: error: -n 2 is not W x S of the loop (parallel.replicas(3) * "
         "parallel.shard_size(1) = 3 != world size 2"), p.stderr[-4000:]
     assert "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigstopped_rank_is_judged_and_the_survivors_finish(tmp_path):
+    dl = Deadline(270)
+    at, out = 2, tmp_path / "run"
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **gate.env())
+    env.pop("OMPI_COMM_WORLD_RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "launch", "-n", str(W),
+                          "--run-dir", str(out), "--", sys.executable, str(LOOP), str(out),
+                          str(W), "1", "-", str(STEPS)], cwd=tmp_path, env=env,
+                         start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        gate.wait_held(at, dl, alive=lambda: p.poll() is None,
+                       detail=lambda: p.stdout.read()[-4000:])
+        pid = json.loads((out / "ranks" / "rank2.json").read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        gate.release(at)
+        text, _ = p.communicate(timeout=dl.left())
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 0, text[-4000:]
+    _survivors_committed_every_step(out, 2)
+    assert "rank 2: judged hung by the watchdog" in text, text[-4000:]
+    assert (out / "faults" / "hung.rank2.json").exists()
