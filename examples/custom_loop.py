@@ -1,8 +1,11 @@
 """A stock FSDP training loop adopting HSDPULFMTrainingManager.
 
-Run on 4 ranks (2 replicas x 2 shard ranks), with replica 1 losing a rank at step 3:
+Run on 4 ranks (2 replicas x 2 shard ranks), with replica 1 losing a rank at step 3, under the
+supervisor of `recover-hsdp train` (store, heartbeats, watchdog, reaper, start-up retry, an exit
+code judged from what the ranks left; `recover-hsdp launch --help`):
 
-    NP=4 launch/local.sh python examples/custom_loop.py
+    recover-hsdp launch -n 4 -- python examples/custom_loop.py
+    NP=4 launch/local.sh python examples/custom_loop.py      # the same, a thin wrapper
 
 The diff against a plain FSDP HYBRID_SHARD loop is small (marked `# ReCoVer:` below):
 

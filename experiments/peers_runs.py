@@ -55,7 +55,7 @@ class Procs:
 
     @staticmethod
     def kill(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-        from recover_hsdp.launch import descendants
+        from recover_hsdp.launcher.run import descendants
 
         try:
             kids = descendants(p.pid)

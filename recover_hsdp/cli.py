@@ -10,6 +10,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("recover_hsdp.bench", "benchmarks (collectives, snapshot, planner, ...)"),
     "demo": ("recover_hsdp.tools.demo", "the README's main job"),
     "train": ("recover_hsdp.train", "Hydra pre-training entry point"),
+    "launch": ("recover_hsdp.launcher.launch_cmd", "run any rank program (a custom loop) supervised"),
     "verify": ("recover_hsdp.tools.verify", "replay a run directory and compare parameters"),
     "report": ("recover_hsdp.tools.report", "plots and tables from run directories"),
     "simulate": ("recover_hsdp.tools.simulate", "effective training time at 1k-100k GPUs (simulation)"),

@@ -41,12 +41,13 @@ from typing import Any, Sequence
 
 # the job description, exit codes and mpirun line live below this module and the
 # checkpoint-restart baseline, which both launch jobs (re-exported here for callers)
-from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED,  # noqa: F401
-                               EXIT_OK, EXIT_TIME_LIMIT, LAUNCHER_DIR, PROG, Job, JobResult,
-                               baseline_name, holds_run, job_command, job_env, print_error)
-# judging a finished job from its run directory, and reporting it, live in jobs.py too
-from recover_hsdp.jobs import (format_summary, format_table, judge_run,  # noqa: F401
-                               overall_exit)
+from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, Job, JobResult,  # noqa: F401
+                                       baseline_name, holds_run, job_command, job_env,
+                                       print_error)
+# judging a finished job from its run directory, the exit codes, and reporting it
+from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED,  # noqa: F401
+                                         EXIT_INTERRUPTED, EXIT_OK, EXIT_TIME_LIMIT,
+                                         format_summary, format_table, judge_run, overall_exit)
 
 USAGE = f"""usage: {PROG} [-m|--multirun] [--dry-run] [--print-config] [KEY=VALUE|GROUP=OPTION ...]
 
@@ -173,7 +174,7 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
                                    f"choose another run.output_dir/run.name or set "
                                    f"run.overwrite=true")
         if cfg.run.get("resume", False):   # issue 14: a checkpoint to resume from, compatible
-            from recover_hsdp.resume import check_resume_dir
+            from recover_hsdp.launcher.resume import check_resume_dir
             check_resume_dir(cfg, run_dir)
         jobs.append(Job(i if multirun else None, list(ovs), swept, cfg, checked))
     dirs = [j.run_dir for j in jobs]
@@ -200,7 +201,7 @@ def _check_inputs(checked) -> None:
 # Launching one job
 # ---------------------------------------------------------------------------------------------
 def worker_fn_spec() -> str:
-    from recover_hsdp.launch import DEFAULT_WORKER_FN, ENV_WORKER_FN
+    from recover_hsdp.launcher.command import DEFAULT_WORKER_FN, ENV_WORKER_FN
 
     return os.environ.get(ENV_WORKER_FN) or DEFAULT_WORKER_FN
 
@@ -224,13 +225,14 @@ def launch_job(job: Job) -> JobResult:
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launch import default_store_host, run_job
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
 
     if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
 
         return run_checkpoint_restart(job)
-    from recover_hsdp.resume import run_resilient, wants_supervisor   # issue 14
+    from recover_hsdp.launcher.resume import run_resilient, wants_supervisor   # issue 14
     if wants_supervisor(job.cfg):
         return run_resilient(job)
     run_dir = job.run_dir
@@ -241,7 +243,7 @@ def launch_job(job: Job) -> JobResult:
     config_path = ldir / "config.yaml"
     OmegaConf.save(job.cfg, config_path, resolve=True)
     host = job.cfg.run.store_host or default_store_host()
-    from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
+    from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
     tries = 1 + int(job.cfg.run.get("start_retries", 1) or 0)
     for attempt in range(1, tries + 1):   # a death before the world forms: launch again
         try:
@@ -256,7 +258,7 @@ def launch_job(job: Job) -> JobResult:
                 print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
                 watchdog = None
                 if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict, SIGKILL from here
-                    from recover_hsdp.faults.watchdog import HangWatchdog
+                    from recover_hsdp.launcher.watchdog import HangWatchdog
 
                     watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
                                             float(job.cfg.run.heartbeat_s),
@@ -266,7 +268,7 @@ def launch_job(job: Job) -> JobResult:
                 start = StartupWatch(run_dir, int(job.cfg.run.np),
                                      job.cfg.run.get("startup_timeout_s")) if watchdog else None
                 try:
-                    from recover_hsdp.resume import end_watch
+                    from recover_hsdp.launcher.resume import end_watch
 
                     end = end_watch(job.cfg, run_dir, env) if watchdog else None
                     outcome = run_job(cmd, env, log_path=ldir / "output.log",
@@ -328,7 +330,7 @@ def run_jobs(jobs: Sequence[Job], *, sweep: bool) -> int:
 def load_worker_fn(cfg=None):
     """The worker function: RECOVER_HSDP_WORKER_FN if set, else the plain-FSDP loop for
     ``baseline`` reference/checkpoint_restart, else the resilient trainer."""
-    from recover_hsdp.launch import ENV_WORKER_FN
+    from recover_hsdp.launcher.command import ENV_WORKER_FN
 
     spec = worker_fn_spec()
     if cfg is not None and not os.environ.get(ENV_WORKER_FN) and baseline_name(cfg) != "none":

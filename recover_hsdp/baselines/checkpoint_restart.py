@@ -31,9 +31,11 @@ from typing import Any
 
 from recover_hsdp.baselines import (ENV_ATTEMPT, PLAIN_WORKER_FN, RESTARTS, attempt_dir)
 from recover_hsdp.baselines.plain_worker import latest_checkpoint
-from recover_hsdp.jobs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
-                               EXIT_TIME_LIMIT, LAUNCHER_DIR, PROG, ULFM_FLAGS, JobResult,
-                               holds_run, job_command, job_env, plain_mpirun, print_error)
+from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, ULFM_FLAGS,  # noqa: F401
+                                       JobResult, holds_run, job_command, job_env,
+                                       plain_mpirun, print_error)
+from recover_hsdp.launcher.judge import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                                         EXIT_TIME_LIMIT)
 
 
 
@@ -114,11 +116,13 @@ def breakdown(run_dir: Path, restarts: list[dict], fired: list[dict],
 
 
 def run_checkpoint_restart(job) -> Any:
-    """Run a ``baseline=checkpoint_restart`` job to completion; return jobs.JobResult."""
+    """Run a ``baseline=checkpoint_restart`` job to completion; return launcher.job.JobResult."""
     from omegaconf import OmegaConf
 
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launch import ENV_WORKER_FN, default_store_host, run_job
+    from recover_hsdp.launcher.command import ENV_WORKER_FN
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
     from recover_hsdp.record import JsonlAppender, write_summary
 
     cfg = job.cfg

@@ -162,7 +162,7 @@ def _worker_kill(args) -> None:
 
 # ----------------------------------------------------------------------------------- parent ---
 def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict[int, dict]:
-    from recover_hsdp.collectives.launch import mpi_env, mpirun_command
+    from recover_hsdp.launcher.command import mpi_env, mpirun_prefix as mpirun_command
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
     extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]

@@ -183,7 +183,7 @@ class Bench:
                f"run.output_dir={run_dir}", "run.overwrite=true", "run.log_every=1",
                f"run.time_limit_s={limit:.0f}"]
         rc, wall = self._run(cmd, run_dir.parent / f"{run_dir.name}.log", timeout)
-        if rc == 3:     # jobs.py: run.time_limit_s (the time this bench gave it) stopped the job
+        if rc == 3:     # launcher/judge.py: run.time_limit_s (the time this bench gave it) stopped the job
             raise Deadline(f"{run_dir.name} was stopped at its time limit ({limit:.0f} s, from "
                            f"the time left to it) after {wall:.0f} s")
         return rc, wall
@@ -320,7 +320,7 @@ class Bench:
 
     # --- 4 ---------------------------------------------------------------------------------
     def s4_staging(self) -> dict:
-        from recover_hsdp.collectives.launch import mpi_env, mpirun_command
+        from recover_hsdp.launcher.command import mpi_env, mpirun_prefix as mpirun_command
 
         mb = self.args.staging_mb or (8.0 if self.cpu else 256.0)
         out = Path(tempfile.mkdtemp(prefix="bench_gpu_staging_", dir=self.out))

@@ -158,20 +158,22 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
     here; output goes to WORK/NAME.log. Returns {ok?, wall_s, load, log, returncode, stopped}."""
     import yaml
 
-    from recover_hsdp import launch as L
+    from recover_hsdp.launcher import command as L
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
     from recover_hsdp.hsdp.topology import serve_store
 
     cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     n = int(cfg["parallel"]["replicas"]) * int(cfg["parallel"]["shard_size"])
     log = work / f"{name}.log"
-    with serve_store(L.default_store_host()) as addr:
+    with serve_store(default_store_host()) as addr:
         env = L.rank_env(addr, omp_num_threads=1,
                          shard_timeout_s=cfg["run"].get("shard_timeout_s"))
         cmd = ([L.find_mpirun()] + L.base_mpirun_args(n, export=L.exported_vars(env))
                + [sys.executable, "-m", module, str(cfg_path), *extra_args])
         with open(os.devnull, "wb") as sink:
-            o = L.run_job(cmd, env, log_path=log, time_limit_s=timeout, stdout=sink)
+            o = run_job(cmd, env, log_path=log, time_limit_s=timeout, stdout=sink)
     return {"name": name, "wall_s": o.wall_s, "returncode": o.returncode, "stopped": o.stopped,
             "log": str(log), "load": H.load()}
 

@@ -131,7 +131,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
         raise TrainConfigError(f"run.mpirun({run.mpirun!r}) is not an executable (null: the "
                                f"mpirun next to the Python interpreter, else PATH)")
     if run.store_host:
-        from recover_hsdp.launch import store_host_problem
+        from recover_hsdp.launcher.store import store_host_problem
 
         why = store_host_problem(run.store_host)
         if why:

@@ -11,14 +11,14 @@ Two halves (docs/faults.md, "Fault classes"):
   :func:`is_peer_failure` says "my replica lost a member" and it leaves by ``replica_lost_exit``.
 * **Hung ranks.** :class:`Heartbeat` is a daemon thread rewriting ``ranks/rank{g}.json`` (pid,
   host, time, progress counter, announced long phase, clean-exit mark) every ``period_s``;
-  ``faults/watchdog.py`` ``HangWatchdog`` (in the launcher, on the ranks' node) SIGKILLs a rank
+  ``launcher/watchdog.py`` ``HangWatchdog`` (in the launcher, on the ranks' node) SIGKILLs a rank
   whose heartbeat is older than ``timeout_s`` (a waiting rank still beats: collectives release
   the GIL), one whose progress stalled outside a long phase (``progress_timeout_s``, on by
-  default: ``auto``), and, through faults/reaper.py, the mates of a rank that died that do not
+  default: ``auto``), and, through launcher/reaper.py, the mates of a rank that died that do not
   notice it (NCCL).
 
 The launcher judges a job whose replicas all logged an error of the same class as a user error:
-one line, non-zero exit (:func:`common_error`).
+one line, non-zero exit (launcher/judge.py ``common_error``, which reads errors/).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
 ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
 ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
-ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (jobs.job_env): heartbeats name it
+ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (launcher/job.job_env): heartbeats name it
 ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"   # chaos: SIGUSR1 -> InjectedFault
 #: a heartbeat starts inside the announced phase "start-up" (world formation, the model's
 #: sharding, a checkpoint load, the initial snapshot), ended by the first step (step_begins):
@@ -293,7 +293,8 @@ class Heartbeat:
 
     def beat(self) -> None:
         with self._lock:    # the record is read and written whole: a later beat has a later state
-            rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            rec = {"rank": self.rank, "replica": _state["replica"], "pid": os.getpid(),
+                   "host": socket.gethostname(),
                    "time": time.time(), "progress": self.progress, "phase": self.phase, "done":
                    self.done, "phase_until": self.phase_until, "period_s": self.period_s,
                    "step_s": self.step_s, "progress_time": self.progress_time,
@@ -363,50 +364,6 @@ def long_phase(name: str, expected_s: Optional[float] = None) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The launcher's reading of errors/
-# ---------------------------------------------------------------------------------------------
-def read_errors(run_dir: os.PathLike | str) -> list[dict]:
-    d = Path(run_dir) / ERRORS_DIR
-    out = []
-    if d.is_dir():
-        for p in sorted(d.glob("rank*.json")):
-            try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-    return out
-
-
-def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1
-                 ) -> Optional[tuple[str, int]]:
-    """(one line, exit code) when EVERY replica logged an error of the same class: a user error
-    that hits every rank alike (bad config, a loss that always raises). Else None."""
-    errs = read_errors(run_dir)
-    if not errs:
-        return None
-    by_replica: dict[int, dict] = {}
-    for e in sorted(errs, key=lambda e: (e.get("time") or 0)):
-        r = e.get("replica")
-        if r is None and isinstance(e.get("rank"), int) and e["rank"] >= 0:
-            r = e["rank"] // max(1, shard_size)
-        if r is not None:
-            by_replica.setdefault(int(r), e)
-    if set(by_replica) != set(range(replicas)):
-        return None
-    classes = {e["class"] for e in by_replica.values()}
-    if len(classes) != 1:
-        return None
-    first = min(by_replica.values(), key=lambda e: e.get("time") or 0)
-    where = f" in {first['where']}" if first.get("where") else ""
-    where += f" at step {first['step']}" if first.get("step") is not None else ""
-    code = 2 if all(e.get("exit_code_hint") == 2 for e in by_replica.values()) else 1
-    line = (f"every replica failed with the same error: {first['class']}: {first['message']}"
-            f"{where} (rank {first['rank']}; traceback: "
-            f"{Path(run_dir) / ERRORS_DIR / ('rank%s.traceback.txt' % first['rank'])})")
-    return line, code
-
-
-# ---------------------------------------------------------------------------------------------
 # The chain of bounded waits
 # ---------------------------------------------------------------------------------------------
 #: how often the launcher's watchdog reads the heartbeats (at most)
@@ -429,7 +386,3 @@ def gate_bound_s(hang_timeout_s: float, heartbeat_s: float) -> float:
     out at the gate first and be killed.
     """
     return float(hang_timeout_s) + float(heartbeat_s) + WATCH_POLL_S + REPAIR_MARGIN_S
-
-
-# launcher-side verdicts from the run directory live in faults/verdicts.py (re-exported here)
-from recover_hsdp.faults.verdicts import dead_replicas, reconcile_summary  # noqa: E402,F401

@@ -50,7 +50,7 @@ def sigkill_self() -> None:
 
 #: TEST ONLY (with RECOVER_HSDP_ALLOW_TEST_FAULT=1): seconds a rank that found its shard-group
 #: mate dead waits, heartbeat beating, before it leaves -- what a rank stuck in an NCCL collective
-#: on a dead peer does until the process-group timeout, emulated on gloo (faults/reaper.py)
+#: on a dead peer does until the process-group timeout, emulated on gloo (launcher/reaper.py)
 ENV_SHARD_WEDGE = "RECOVER_HSDP_TEST_SHARD_WEDGE_S"
 
 

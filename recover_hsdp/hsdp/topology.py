@@ -152,7 +152,7 @@ def shard_group_timeout_s(backend: str, shard_timeout_s: float,
     longest announced phase + PHASE_MARGIN_S, since NCCL's watchdog tears a rank down (SIGABRT)
     at this bound: a mate of a rank in a synchronous save must not be killed for waiting. A dead
     NCCL mate is not waited for that long: the launcher's reaper SIGKILLs the still mates of a
-    dead rank after run.hang_timeout_s (faults/reaper.py)."""
+    dead rank after run.hang_timeout_s (launcher/reaper.py)."""
     t = float(shard_timeout_s)
     return max(t, float(longest_phase_s) + PHASE_MARGIN_S) if backend == "nccl" else t
 

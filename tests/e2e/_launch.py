@@ -38,7 +38,7 @@ def one_thread():
 def mpirun_prefix(n: int) -> list[str]:
     bindir = Path(sys.executable).parent
     mpirun = bindir / "mpirun"
-    from recover_hsdp.collectives.launch import ft_coll_args
+    from recover_hsdp.launcher.command import ft_coll_args
 
     cmd = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm", *ft_coll_args(),
            "--oversubscribe",

@@ -2,13 +2,15 @@
 
     python tests/e2e/_raising_loop.py OUT_DIR W S FAULTS STEPS
 FAULTS: comma-separated RANK:WHERE:STEP (global rank, where it raises, at which step), WHERE:
-microbatch_fn | loss_fn | optimizer (the optimizer step raises). Every rank that finishes writes
+microbatch_fn | loss_fn | optimizer (the optimizer step raises) | kill (SIGKILLs itself in
+microbatch_fn); "-" for none. Every rank that finishes writes
 OUT_DIR/result.rank{g}.json; errors go to OUT_DIR/errors/ (RECOVER_HSDP_RUN_DIR).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -27,13 +29,16 @@ def main() -> None:
     data_cfg = DataConfig(seq_len=32, micro_batch_size=2 * S)
     sources: dict[int, object] = {}
     state = {"step": 0}
-    mine = {w: int(st) for g, w, st in (f.split(":") for f in faults.split(",")) if int(g) == rank}
+    mine = {w: int(st) for g, w, st in (f.split(":") for f in faults.split(",") if f != "-")
+            if int(g) == rank}
     me = bool(mine)
     where, bad_step = (next(iter(mine.items())) if me else ("", -1))
 
     def microbatch_fn(replica: int, mb_id: int):
         if me and where == "microbatch_fn" and state["step"] == bad_step:
             raise KeyError(f"microbatch {mb_id} missing (injected)")
+        if me and where == "kill" and state["step"] == bad_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         if replica not in sources:
             sources[replica] = build_microbatch_source(data_cfg, replica, W)
         return sources[replica].get(mb_id)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from recover_hsdp.collectives.launch import mpi_env as _launch_env
-from recover_hsdp.collectives.launch import mpirun_command
+from recover_hsdp.launcher.command import mpi_env as _launch_env
+from recover_hsdp.launcher.command import mpirun_prefix as mpirun_command
 from tests._procs import run
 
 __all__ = ["MpiRun", "MpiTimeout", "OUT_ENV", "REPO", "WORKERS", "mpi_env", "mpirun_command",

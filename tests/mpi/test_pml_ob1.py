@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp import launch
-from recover_hsdp.collectives import launch as claunch
-from recover_hsdp.collectives.launch import mpi_env
+from recover_hsdp.launcher import command as launch
+from recover_hsdp.launcher.command import mpi_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = [sys.executable, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); print('RAN')"]
@@ -33,17 +32,17 @@ def _run(cmd: list[str]) -> str:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("path", ["collectives.launch.mpirun_command", "launch.base_mpirun_args",
+@pytest.mark.parametrize("path", ["command.mpirun_prefix", "command.base_mpirun_args",
                                   "launch/local.sh"])
-def test_every_launch_path_runs_on_ob1(ulfm_ready, path):
-    if path == "collectives.launch.mpirun_command":
-        cmd = claunch.mpirun_command(1) + RANK
-    elif path == "launch.base_mpirun_args":
+def test_every_launch_path_runs_on_ob1(ulfm_ready, path, tmp_path):
+    if path == "command.mpirun_prefix":
+        cmd = launch.mpirun_prefix(1) + RANK
+    elif path == "command.base_mpirun_args":
         cmd = [launch.find_mpirun()] + launch.base_mpirun_args(1) + RANK
     else:
         cmd = ["bash", str(ROOT / "launch" / "local.sh"), *RANK]
     if path == "launch/local.sh":
-        cmd = ["env", "NP=1"] + cmd
+        cmd = ["env", "NP=1", f"RUN_DIR={tmp_path / 'run'}"] + cmd
     out = _run(cmd)
     assert SELECTED in out, out[-2000:]
     assert "initializing pml component ucx" not in out

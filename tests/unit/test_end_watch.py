@@ -1,4 +1,4 @@
-"""faults/startup.EndWatch: mpirun outliving every one of its ranks is stopped after a grace;
+"""launcher/startup.EndWatch: mpirun outliving every one of its ranks is stopped after a grace;
 a rank still running (here or, by a fresh heartbeat, elsewhere) keeps the job."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from recover_hsdp.faults.startup import EndWatch
+from recover_hsdp.launcher.startup import EndWatch
 
 
 def _hb(d, g, pid, *, host=None, done=False, t=1000.0):

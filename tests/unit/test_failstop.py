@@ -13,7 +13,8 @@ import pytest
 from tests import _procs
 
 from recover_hsdp.faults import failstop as fs
-from recover_hsdp.faults.watchdog import HangWatchdog
+from recover_hsdp.launcher import judge
+from recover_hsdp.launcher.watchdog import HangWatchdog
 from tests._wait import until
 
 
@@ -85,22 +86,22 @@ def _err(d, rank, replica, cls="ValueError", hint=1, t=0.0):
 
 
 def test_common_error_needs_every_replica_and_one_class(tmp_path):
-    assert fs.common_error(tmp_path, 2, 2) is None
+    assert judge.common_error(tmp_path, 2, 2) is None
     _err(tmp_path, 0, 0)
-    assert fs.common_error(tmp_path, 2, 2) is None  # replica 1 trained on: not a common error
+    assert judge.common_error(tmp_path, 2, 2) is None  # replica 1 trained on: not a common error
     _err(tmp_path, 3, 1)
-    line, code = fs.common_error(tmp_path, 2, 2)
+    line, code = judge.common_error(tmp_path, 2, 2)
     assert code == 1 and line.startswith("every replica failed with the same error: "
                                          "ValueError: boom in loss_fn at step 3 (rank 0;")
     assert "\n" not in line
     _err(tmp_path, 2, 1, cls="KeyError", t=-1)
-    assert fs.common_error(tmp_path, 2, 2) is None  # the first error of replica 1 differs
+    assert judge.common_error(tmp_path, 2, 2) is None  # the first error of replica 1 differs
 
 
 def test_common_config_error_is_exit_2(tmp_path):
     _err(tmp_path, 0, 0, "FileNotFoundError", 2)
     _err(tmp_path, 1, 1, "FileNotFoundError", 2)
-    assert fs.common_error(tmp_path, 2, 1)[1] == 2
+    assert judge.common_error(tmp_path, 2, 1)[1] == 2
 
 
 def test_heartbeat_and_watchdog_kill_a_stopped_process(tmp_path):
@@ -219,12 +220,12 @@ def test_reconcile_summary_with_the_dying_ranks_marker(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(
         {"steps_committed": 10, "replicas_alive": [0, 1], "failures_survived": 0,
          "faults": {"fired": [], "unreached": [entry], "pending": []}}))
-    assert fs.reconcile_summary(tmp_path, 2) == [1]
+    assert judge.reconcile_summary(tmp_path, 2) == [1]
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["replicas_alive"] == [0] and s["failures_survived"] == 1
     assert s["faults"]["fired"] == [entry] and s["faults"]["unreached"] == []
     assert s["extra"]["reconciled"] == {"1": "scheduled kill of rank 3"}
-    assert fs.reconcile_summary(tmp_path, 2) == []  # idempotent
+    assert judge.reconcile_summary(tmp_path, 2) == []  # idempotent
 
 
 def test_sigusr1_raise_seam_becomes_a_fail_stop(tmp_path):

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 
-from recover_hsdp.faults import failstop, reaper
+from recover_hsdp.faults import failstop
+from recover_hsdp.launcher import reaper
 
 
 def test_last_heartbeat_of_a_clean_exit_says_done(tmp_path, monkeypatch):

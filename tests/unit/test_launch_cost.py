@@ -129,3 +129,14 @@ print("not reached")
                 capture_output=True, text=True, timeout=current_deadline().left())
         assert p.returncode == want_rc and p.stdout == want, (arg, p.returncode, p.stdout,
                                                               p.stderr[-2000:])
+
+
+def test_the_launcher_package_imports_no_torch():
+    """launcher/ (the supervisor, issue 25) imports no torch at module level: every module of
+    it loads in a fresh interpreter without torch (the store and serve_store load it lazily)."""
+    mods = sorted(p.stem for p in (REPO / "recover_hsdp" / "launcher").glob("*.py")
+                  if p.stem != "__init__")
+    out = _run("import importlib, json, sys\n"
+               f"for m in {mods!r}: importlib.import_module('recover_hsdp.launcher.' + m)\n"
+               "print(json.dumps({'torch': 'torch' in sys.modules}))")
+    assert out == {"torch": False}, f"a launcher module imports torch at module level: {mods}"

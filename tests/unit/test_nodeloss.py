@@ -1,11 +1,11 @@
-"""Node loss (recover_hsdp/faults/nodeloss.py, issue 12): mpirun's "lost a remote daemon" is
+"""Node loss (recover_hsdp/launcher/nodeloss.py, issue 12): mpirun's "lost a remote daemon" is
 recognised with the node's name, and the restart is planned on the hostfile minus that node at
 the widest W' that fits and divides B (G' = B / W')."""
 from __future__ import annotations
 
 import pytest
 
-from recover_hsdp.faults.nodeloss import (hostfile_in, lost_node, parse_hostfile,
+from recover_hsdp.launcher.nodeloss import (hostfile_in, lost_node, parse_hostfile,
                                           plan_after_node_loss, relaunch_args)
 
 PRTE = """--------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def test_plan_keeps_B(hosts, W, S, G, expect):
 def test_node_named_by_hostname_hostfile_by_address(monkeypatch):
     """Seen on the two-namespace set-up: PRTE names the node by its hostname (rn2), the hostfile
     holds addresses; the daemon's vpid (1: the first node after mpirun's own) decides."""
-    import recover_hsdp.faults.nodeloss as nl
+    import recover_hsdp.launcher.nodeloss as nl
 
     monkeypatch.setattr(nl, "_is_local", lambda h: h == "10.77.0.1")
     monkeypatch.setattr(nl, "same_host", lambda a, b: a == b)
@@ -83,10 +83,10 @@ def test_no_plan_reasons():
 
 
 def test_launcher_relaunch_config(tmp_path):
-    """The supervisor's step (recover_hsdp/resume.py): PRTE's message -> the next segment's
+    """The supervisor's step (recover_hsdp/launcher/resume.py): PRTE's message -> the next segment's
     config: W' x G' = B, run.np = W' x S, the hostfile without the lost node."""
     from recover_hsdp.config import compose_config, resolve_config, validate
-    from recover_hsdp.resume import node_loss_config
+    from recover_hsdp.launcher.resume import node_loss_config
 
     hosts = tmp_path / "hosts"
     hosts.write_text("rn1 slots=4\nrn2 slots=4\n")

@@ -1,4 +1,4 @@
-"""The launcher's mate reaper (faults/reaper.py): real processes beating real heartbeats.
+"""The launcher's mate reaper (launcher/reaper.py): real processes beating real heartbeats.
 
 A rank whose process is gone without its clean-exit mark took its replica with it; a mate of the
 same replica block that has not moved for grace_s since is SIGKILLed (on NCCL it would sit in a
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.faults.watchdog import HangWatchdog
-from recover_hsdp.faults.reaper import alive
+from recover_hsdp.launcher.watchdog import HangWatchdog
+from recover_hsdp.launcher.reaper import alive
 from tests._wait import Deadline, until, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]

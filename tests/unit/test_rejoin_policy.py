@@ -142,7 +142,7 @@ def test_rejoin_refuses_an_alive_slot_and_mid_iteration():
 
 def test_relaunch_due_only_when_no_standby_is_left_and_the_launcher_counts_rejoins():
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.resume import _rejoin_left, wants_supervisor
+    from recover_hsdp.launcher.resume import _rejoin_left, wants_supervisor
 
     def mgr(alive, standby=0, pool=()):
         return SimpleNamespace(policy=SimpleNamespace(alive=tuple(alive), w_init=3),
@@ -159,7 +159,7 @@ def test_relaunch_due_only_when_no_standby_is_left_and_the_launcher_counts_rejoi
 
 
 def test_a_resume_with_standbys_keeps_the_first_width():
-    from recover_hsdp.resume import check_resume
+    from recover_hsdp.launcher.resume import check_resume
 
     cfg = resolved("parallel.replicas=2", "parallel.grad_accum=3", "parallel.standby=1")
     why = check_resume(cfg, {"w_init": 3, "B": 6}, Path("ck/step_000004"))

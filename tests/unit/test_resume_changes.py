@@ -1,4 +1,4 @@
-"""What a resume may change (recover_hsdp/resume.py check_resume, resume_changes; issue 26): a
+"""What a resume may change (recover_hsdp/launcher/resume.py check_resume, resume_changes; issue 26): a
 longer run.steps and the optimizer's schedule and clip go through with a notice; the model, the
 seed and the optimizer's kind and moments stay refused, one line naming the key."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from recover_hsdp.config import compose_config, resolve_config
 from recover_hsdp.hsdp.checkpoint import identity_of
-from recover_hsdp.resume import check_resume, resume_changes
+from recover_hsdp.launcher.resume import check_resume, resume_changes
 
 CK = Path("ck/step_000004")
 

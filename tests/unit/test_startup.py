@@ -1,5 +1,5 @@
-"""Deaths before the world forms (recover_hsdp/faults/startup.py, issue 12): the launcher's
-StartupWatch sees a dead starting rank at once, a start that makes no progress for its bound
+"""Deaths before the world forms (launcher/startup.py; the rank side is faults/startup.py;
+issue 12): the launcher's StartupWatch sees a dead starting rank at once, a start that makes no progress for its bound
 (never a slow one that does), and
 nothing once the world formed; the test seam kills a rank on the first launch only."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 from tests import _procs
 
-from recover_hsdp.faults.startup import (ENV_STARTUP_FAULT, PHASES, StartupWatch,
-                                         clear_startup_state, mark_phase, startup_bound_s)
-from recover_hsdp.faults.startup import _cpu_ticks
+from recover_hsdp.faults.startup import ENV_STARTUP_FAULT, PHASES, mark_phase
+from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state, startup_bound_s
+from recover_hsdp.launcher.startup import _cpu_ticks
 from tests._wait import Deadline, until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tests._procs import current_deadline, run
 
-from recover_hsdp.launch import STOP_GRACE_S
+from recover_hsdp.launcher.run import STOP_GRACE_S
 from tests._wait import Deadline, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]

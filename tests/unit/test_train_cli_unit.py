@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp import launch
+from recover_hsdp.launcher import command as launch
+from recover_hsdp.launcher import run as launch_run
+from recover_hsdp.launcher import store as launch_store
 from tests._wait import Deadline, until, wait_dead
 from recover_hsdp.config import TrainConfigError
 from recover_hsdp.train import (
@@ -157,9 +159,9 @@ def test_rank_env_and_exports():
 def test_store_host_default(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_NUM_NODES", raising=False)
     monkeypatch.delenv("SLURM_NNODES", raising=False)
-    assert launch.default_store_host() == "127.0.0.1"
+    assert launch_store.default_store_host() == "127.0.0.1"
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
-    assert launch.default_store_host() not in ("", "127.0.0.1")
+    assert launch_store.default_store_host() not in ("", "127.0.0.1")
 
 
 def test_dry_run_prints_the_launch(tmp_path, capsys, monkeypatch):
@@ -315,7 +317,7 @@ def test_run_job_streams_and_time_limit_kills_the_tree(tmp_path):
         return None
 
     t0 = time.monotonic()
-    out = launch.run_job([sys.executable, "-c", script], os.environ, log_path=log,
+    out = launch_run.run_job([sys.executable, "-c", script], os.environ, log_path=log,
                          time_limit_s=1.5, stdout=sink, grace_s=1.0, watch=child_printed)
     sink.close()
     assert out.stopped == "time_limit" and time.monotonic() - t0 < 75
@@ -324,7 +326,7 @@ def test_run_job_streams_and_time_limit_kills_the_tree(tmp_path):
     child = int(text.split()[1])
     # the tree was SIGKILLed before run_job returned: bound 3x (grace + one 0.2 s poll)
     wait_dead(child, dl.sub(3 * (1.0 + 0.2)), "the grandchild after the stop")
-    ok = launch.run_job([sys.executable, "-c", "print('hi')"], os.environ, stdout=open(
+    ok = launch_run.run_job([sys.executable, "-c", "print('hi')"], os.environ, stdout=open(
         os.devnull, "wb"))
     assert (ok.returncode, ok.stopped) == (0, None)
 

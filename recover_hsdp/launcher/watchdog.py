@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from recover_hsdp.faults.failstop import RANKS_DIR
-from recover_hsdp.faults.reaper import MateReaper, alive as _alive, kill_recorded
+from recover_hsdp.launcher.reaper import MateReaper, alive as _alive, kill_recorded
 
 #: the progress floor of ``run.progress_timeout_s=auto`` (run.progress_floor_s)
 PROGRESS_FLOOR_S = 30.0

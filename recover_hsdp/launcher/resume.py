@@ -1,4 +1,5 @@
-"""The launcher side of checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md).
+"""The relaunch / resume policy of the resilient trainer (issue 14, docs/checkpoint.md; moved
+from recover_hsdp/resume.py, issue 25).
 
 `recover-hsdp train` hands a job here (instead of one plain launch) when run.ckpt_interval > 0,
 run.resume=true or run.min_replicas > 0. One policy decides what happens when a segment (one
@@ -34,10 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover_hsdp.jobs import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED,  # noqa: F401
-                               EXIT_TIME_LIMIT, LAUNCHER_DIR,
-                               PROG, JobResult, baseline_name, holds_run, job_command, job_env,
-                               print_error)
+from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, JobResult,  # noqa: F401
+                                       baseline_name, holds_run, job_command, job_env,
+                                       print_error)
+from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK,  # noqa: F401
+                                         EXIT_PREEMPTED, EXIT_TIME_LIMIT)
 
 
 
@@ -189,12 +191,12 @@ def _first_commit_time(run_dir: Path, segment: int) -> float | None:
 
 def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
     """(config for the relaunch, message) after a segment whose mpirun output says a remote
-    daemon was lost (faults/nodeloss.py); (None, message) if it cannot be planned; (None, "")
+    daemon was lost (launcher/nodeloss.py); (None, message) if it cannot be planned; (None, "")
     if no node was lost. The relaunch keeps B: W' replicas x G' = B on the hostfile minus the
     lost node (written to launcher/hosts.seg{k+1})."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.faults.nodeloss import (hostfile_in, lost_daemon_vpid, lost_node,
+    from recover_hsdp.launcher.nodeloss import (hostfile_in, lost_daemon_vpid, lost_node,
                                               parse_hostfile, plan_after_node_loss,
                                               relaunch_args)
 
@@ -229,8 +231,8 @@ def _watchers(cfg, run_dir: Path):
     heartbeat, run.hang_timeout_s > 0); the previous segment's heartbeats are cleared first."""
     if not cfg.run.get("hang_timeout_s"):
         return None, None
-    from recover_hsdp.faults.watchdog import HangWatchdog
-    from recover_hsdp.faults.startup import StartupWatch, clear_startup_state
+    from recover_hsdp.launcher.watchdog import HangWatchdog
+    from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
 
     clear_startup_state(run_dir)
     watchdog = HangWatchdog(run_dir, float(cfg.run.hang_timeout_s), float(cfg.run.heartbeat_s),
@@ -241,10 +243,10 @@ def _watchers(cfg, run_dir: Path):
 
 
 def end_watch(cfg, run_dir: Path, env: dict):
-    """Stops an mpirun that outlives every one of its ranks (faults/startup.EndWatch); only the
+    """Stops an mpirun that outlives every one of its ranks (launcher/startup.EndWatch); only the
     heartbeats of this launch (``env``'s launch id) count."""
     from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
-    from recover_hsdp.faults.startup import EndWatch
+    from recover_hsdp.launcher.startup import EndWatch
 
     return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s),
                     launch_id=env.get(ENV_LAUNCH_ID))
@@ -263,7 +265,8 @@ def run_resilient(job) -> JobResult:
 
     from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
     from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launch import default_store_host, run_job
+    from recover_hsdp.launcher.run import run_job
+    from recover_hsdp.launcher.store import default_store_host
     from recover_hsdp.record import RecordError, read_run
     from recover_hsdp.record.checkpoint import (append_segment, latest_complete,
                                                 read_segments, truncate_steps)

@@ -8,7 +8,7 @@ names the lost node, and relaunches the survivors from the newest complete check
 hostfile minus that node, at the widest W' that fits and divides B (G' = B / W', so every step
 still sums exactly B microbatches), if ``run.max_restarts`` allows.
 
-Pure functions: the launcher (recover_hsdp/resume.py) does the I/O.
+Pure functions: the launcher (recover_hsdp/launcher/resume.py) does the I/O.
 """
 from __future__ import annotations
 
