@@ -189,7 +189,8 @@ def run_plain_worker(cfg: Any) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
+    from recover_hsdp.config import (config_dict, data_config, load_train_config, model_config,
+                                     optim_config)
     from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.faults import FailureInjector, FailureSchedule, FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
@@ -198,7 +199,8 @@ def run_plain_worker(cfg: Any) -> int:
     from recover_hsdp.record import (ParamWriter, RunRecorder, RunSummary, StepRecord,
                                      StepWriter, write_fault_fired, write_run_files)
 
-    c = plain_config(cfg)
+    cfg = load_train_config(cfg)
+    c = config_dict(cfg)            # what the run directory's config.yaml records
     par, run, base = c["parallel"], c["run"], c["baseline"]
     mode = str(base["name"])
     if mode not in (MODE_REFERENCE, MODE_CHECKPOINT_RESTART):
@@ -213,7 +215,7 @@ def run_plain_worker(cfg: Any) -> int:
     interval = int(base.get("ckpt_interval", 4))
     use_async = bool(base.get("ckpt_async", False))
     torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
-    timeout_s = float(run.get("shard_timeout_s") or 60.0)
+    timeout_s = float(cfg.watchdog.shard_timeout_s)
 
     # --- process groups: torch's own ------------------------------------------------------
     fh.init_distributed_from_env(backend="gloo", timeout_s=timeout_s)

@@ -124,8 +124,9 @@ def make_config(args: argparse.Namespace, run_dir: Path, *, W: int, S: int, G: i
         "failures": ({"kind": "schedule", "schedule": schedule} if schedule
                      else {"kind": "none"}),
         "optim": {"lr": 0.003, "warmup_steps": 1},
-        "run": {"steps": steps, "output_dir": str(run_dir), "seed": 0, "threads": 1,
-                "save_params_every": 0, "shard_timeout_s": 30},
+        "run": {"steps": steps, "output_dir": str(run_dir), "seed": 0, "omp_num_threads": 1,
+                "save_params_every": 0},
+        "watchdog": {"shard_timeout_s": 30},
         "debug": {"restore_enabled": True},
     }
 
@@ -167,7 +168,7 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
     log = work / f"{name}.log"
     with serve_store(L.default_store_host()) as addr:
         env = L.rank_env(addr, omp_num_threads=1,
-                         shard_timeout_s=cfg["run"].get("shard_timeout_s"))
+                         shard_timeout_s=cfg.get("watchdog", {}).get("shard_timeout_s"))
         cmd = ([L.find_mpirun()] + L.base_mpirun_args(n, export=L.exported_vars(env))
                + [sys.executable, "-m", module, str(cfg_path), *extra_args])
         with open(os.devnull, "wb") as sink:

@@ -37,7 +37,7 @@ def run(cfg_path: str, out_dir: str) -> int:
     warmup, steps = int(bench.get("warmup", 3)), int(bench.get("steps", 20))
     total = warmup + steps
     seed = int(run_c.get("seed", 0))
-    torch.set_num_threads(int(run_c.get("threads", 1) or 1))
+    torch.set_num_threads(int(run_c.get("omp_num_threads", 1) or 1))
 
     fh.init_distributed_from_env(backend="gloo")
     rank = dist.get_rank()

@@ -38,13 +38,16 @@ No ``from __future__ import annotations``: OmegaConf reads the dataclass annotat
 # Every public name is re-exported here: import from recover_hsdp.config.
 from recover_hsdp.config.compose import (  # noqa: F401
     compose_config,
+    config_dict,
     default_run_dir,
     hydra_error_line,
     load_config,
+    load_train_config,
     normalize_failures,
     one_line,
     register_configs,
     resolve_config,
+    save_config,
 )
 from recover_hsdp.config.groups import (  # noqa: F401
     BASELINES,
@@ -58,16 +61,20 @@ from recover_hsdp.config.groups import (  # noqa: F401
     SCHEMA_NAME,
     TYPED_GROUPS,
     BaselineConfig,
+    CheckpointConfig,
     DebugConfig,
+    ElasticConfig,
     FailuresSchema,
     ParallelConfig,
     PolicyConfig,
     RunConfig,
     TrainConfig,
     TrainConfigError,
+    WatchdogConfig,
     group_keys,
     untyped_groups,
 )
+from recover_hsdp.config.legacy import OLD_RUN_KEYS  # noqa: F401
 from recover_hsdp.config.objects import (  # noqa: F401
     data_config,
     model_config,

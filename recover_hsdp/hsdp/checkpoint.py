@@ -390,15 +390,14 @@ class TrainerCheckpointing(ResilientCheckpointer):
 
     @classmethod
     def from_config(cls, mgr, c: Mapping, run_dir: Path, fingerprint: str):
-        run = c["run"]
-        interval = int(run.get("ckpt_interval", 0) or 0)
+        ck, el = c["checkpoint"], c["elastic"]     # the config's groups (recover_hsdp/config)
+        interval = int(ck["interval"])
         resume_from = os.environ.get(ENV_RESUME_FROM) or None
-        min_rep = int(run.get("min_replicas", 0) or 0)
-        if not (interval or resume_from or min_rep or run.get("resume") or run.get("rejoin")):
+        min_rep = int(el["min_replicas"])
+        if not (interval or resume_from or min_rep or ck["resume"] or el["rejoin"]):
             return None
-        self = cls(mgr, run_dir, use_async=bool(run.get("ckpt_async", True)),
-                   keep=int(run.get("keep_checkpoints", 3)),
-                   keep_every=int(run.get("keep_every", 0) or 0),
+        self = cls(mgr, run_dir, use_async=bool(ck["async_save"]), keep=int(ck["keep"]),
+                   keep_every=int(ck["keep_every"]),
                    segment=int(os.environ.get(ENV_SEGMENT, "0") or 0),
                    identity=identity_of(c, fingerprint),
                    log=lambda s: print(f"[rank {mgr.rank}] {s}", flush=True)

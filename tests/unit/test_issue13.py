@@ -191,7 +191,7 @@ def test_llama_optimizer_settings_bring_the_loss_down_on_a_small_llama():
     import yaml
 
     from recover_hsdp.data import DataConfig, build_microbatch_source, load_tokenizer
-    from recover_hsdp.hsdp.trainer import _model_config
+    from recover_hsdp.config import model_config as _model_config
     from recover_hsdp.model import build_model, next_token_loss
     from recover_hsdp.optim import build_optimizer, lr_at, set_lr
 
