@@ -285,13 +285,13 @@ def launch_job(job: Job) -> JobResult:
             break
         if attempt < tries:
             print(f"[{PROG}] start-up failed ({outcome.reason}) after {outcome.wall_s:.1f} s: "
-                  f"launching again ({attempt}/{tries - 1} of run.start_retries)", flush=True)
+                  f"launching again ({attempt}/{tries - 1} of elastic.start_retries)", flush=True)
             clear_startup_state(run_dir)
             continue
         res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps),
                         launcher_wall_s=outcome.wall_s)
         res.note = (f"start-up failed {tries} time(s), the last: {outcome.reason} "
-                    f"(run.start_retries={tries - 1}); see {ldir / 'output.log'}")
+                    f"(elastic.start_retries={tries - 1}); see {ldir / 'output.log'}")
         return res
     res = judge_run(job, outcome.wall_s, outcome.stopped)
     if outcome.stopped == "time_limit" and not res.note:

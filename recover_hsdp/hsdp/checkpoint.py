@@ -34,7 +34,7 @@ from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, p
 
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
-ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": run.rejoin and rejoins left (the launcher)
+ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": elastic.rejoin, rejoins left (the launcher)
 STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
 
 
@@ -435,10 +435,11 @@ class TrainerCheckpointing(ResilientCheckpointer):
                                      f"{mgr.step}, then exit"), "stop"
         elif self.rejoin and mgr.relaunch_due():      # the rejoin policy (docs/rejoin.md)
             why, self.exit_reason = (f"{n}/{W} replicas alive, no standby left: checkpoint at "
-                                     f"step {mgr.step}, relaunch at full width (run.rejoin)"), \
+                                     f"step {mgr.step}, relaunch at full width (elastic.rejoin)"), \
                 "rejoin"
         elif self.min_replicas and n < self.min_replicas and not (mgr.standby and mgr.cross.pool):
-            why, self.exit_reason = (f"{n} replicas alive < run.min_replicas({self.min_replicas})"
+            why, self.exit_reason = (f"{n} replicas alive < elastic.min_replicas("
+                                     f"{self.min_replicas})"
                                      f": checkpoint at step {mgr.step}, relaunch at full width"), \
                 "min_replicas"
         if why is not None:
