@@ -35,7 +35,7 @@ ENV_SHARD_TIMEOUT = "RECOVER_HSDP_SHARD_TIMEOUT_S"   # = fsdp_hybrid.ENV_SHARD_T
 ENV_OMP = "OMP_NUM_THREADS"
 #: Test seam: "module:function" run by the worker instead of the trainer (default below).
 ENV_WORKER_FN = "RECOVER_HSDP_WORKER_FN"
-DEFAULT_WORKER_FN = "recover_hsdp.hsdp.trainer:run_worker"
+DEFAULT_WORKER_FN = "recover_hsdp.workers.resilient:run_worker"
 #: Seconds between SIGTERM to mpirun and SIGKILL of what is left of the job.
 STOP_GRACE_S = 10.0
 

@@ -13,7 +13,7 @@ Two modes, one file:
   after ranks were killed under ULFM): every step in [0, run.steps) committed.
 * Worker (``--worker FILE``, inside each MPI rank): load the resolved config as the dataclasses
   (``recover_hsdp.config.load_train_config`` -> ``TrainConfig``), check it against the MPI world
-  size, call ``recover_hsdp.hsdp.trainer.run_worker(cfg) -> int``.
+  size, call ``recover_hsdp.workers.resilient.run_worker(cfg) -> int``.
 
 Sweeps (``-m``/``--multirun``): Hydra's sweep syntax (``parallel.replicas=2,4``,
 ``range(1,4)``, ``choice(a,b)``), the cartesian product, run one job at a time, each in

@@ -2,7 +2,7 @@
 
 Started by mpirun (WITHOUT ``--with-ft ulfm``), one process per rank, through
 ``python -m recover_hsdp.train --worker FILE`` when ``baseline.name`` is ``reference`` or
-``checkpoint_restart``. What it shares with the resilient trainer (recover_hsdp/hsdp/trainer.py),
+``checkpoint_restart``. What it shares with the resilient trainer (recover_hsdp/workers/resilient.py),
 so that a failure-free resilient run and this loop compute the same steps:
 
 * model: ``build_model(model_cfg, seed=run.seed)``, wrapped per decoder block
@@ -225,7 +225,7 @@ def run_plain_worker(cfg: Any) -> int:
     events = EventLog(attempt_dir(run_dir, attempt) / f"events.rank{rank}.jsonl" if cr else None)
     events("launch_seen", t=t_launch)
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
-    from recover_hsdp.hsdp.trainer import rank_device, step_resources
+    from recover_hsdp.workers.resilient import rank_device, step_resources
 
     device = rank_device(run.get("gpus_per_node"), S, run.get("device") or "auto") \
         or fh.local_device()

@@ -13,7 +13,7 @@ overhead     one job per G in --grad-accum (default 2, then 1) of W x S ranks (d
              reported: median over the timed steps of each arm, their ratio (target <= 1.05),
              the median and quartiles of the per-step ratio, and the max parameter difference
              between the arms at the end (same work => float rounding only).
-trainer      the real trainer (``python -m recover_hsdp.hsdp.trainer``) with the config of the
+trainer      the real trainer (``python -m recover_hsdp.workers.resilient``) with the config of the
              first overhead job and no failures: median ``local.wall_s`` (what train_step
              measures) and the median commit-to-commit interval (adds the per-step record line),
              against that overhead job's baseline median (another job: noisier than the A/B).
@@ -212,7 +212,7 @@ def run_trainer(args, work: Path, result: dict) -> None:
     run_dir = work / "trainer" / "run"
     cfg = make_config(args, run_dir, W=W, S=S, G=G, steps=args.warmup + args.steps)
     _say(f"trainer: {W}x{S} ranks, {args.warmup + args.steps} steps, no failures")
-    job = launch("trainer", "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
+    job = launch("trainer", "recover_hsdp.workers.resilient", cfg, work, args.timeout)
     if not (run_dir / "summary.json").exists():
         _failed(result, "trainer job did not finish", job)
         return
@@ -238,7 +238,7 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
                           schedule=schedule)
         _say(f"{kind} run {i + 1}/{len(schedules)}: W={W} S={S} G={G}, kills at steps "
              f"{','.join(str(e['step']) for e in schedule)}")
-        job = launch(name, "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
+        job = launch(name, "recover_hsdp.workers.resilient", cfg, work, args.timeout)
         if not (run_dir / "summary.json").exists():
             _failed(result, f"{name} did not finish", job)
             continue

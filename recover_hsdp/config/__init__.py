@@ -4,7 +4,8 @@ One config object describes a run; `recover-hsdp train` composes it from conf/ (
 plus command-line overrides, RESOLVES it (fills every derived value, makes paths absolute),
 VALIDATES it before any process starts, writes it to ``<run dir>/launcher/config.yaml`` and
 hands that file to every rank (``python -m recover_hsdp.train --worker <file>``), which loads it
-with :func:`load_config` and calls ``recover_hsdp.hsdp.trainer.run_worker(cfg)``.
+with :func:`load_train_config` (the TrainConfig dataclasses) and calls
+``recover_hsdp.workers.resilient.run_worker(cfg)``.
 
 Groups and who owns their schema:
 

@@ -15,7 +15,7 @@ from recover_hsdp.optim import OptimConfig
 # Helpers for the manager
 # ---------------------------------------------------------------------------------------------
 # From a resolved config (a DictConfig, a plain mapping, or the path of a resolved YAML) to the
-# component objects every per-rank loop builds: the resilient trainer (hsdp/trainer.py), the
+# component objects every per-rank loop builds: the resilient trainer (workers/resilient.py), the
 # plain-FSDP baselines, the torchft peer and the benchmarks all use these four.
 def plain_config(cfg: Any) -> dict:
     """A resolved config as plain Python containers: a DictConfig (interpolations resolved), the

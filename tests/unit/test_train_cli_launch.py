@@ -1,7 +1,7 @@
 """`recover-hsdp train` launcher end to end under real mpirun, with a FAKE worker.
 
 The fake (``fake_worker`` below, selected with RECOVER_HSDP_WORKER_FN) stands in for
-``recover_hsdp.hsdp.trainer.run_worker``: it checks what a rank is given (the resolved config,
+``recover_hsdp.workers.resilient.run_worker``: it checks what a rank is given (the resolved config,
 RECOVER_HSDP_STORE reachable, OMP_NUM_THREADS, the world size) and writes a run directory with
 the record API, so the launcher's whole path is tested without the trainer: config file, store,
 mpirun line, output streaming, judging success from the run directory, sweep table, time limit,

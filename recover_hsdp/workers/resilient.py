@@ -375,9 +375,9 @@ def _is_logger(mgr) -> bool:
     return mgr.replica == min(mgr.policy.alive) and mgr.shard_index == 0
 
 
-if __name__ == "__main__":  # mpirun ... python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml
+if __name__ == "__main__":  # mpirun ... python -m recover_hsdp.workers.resilient CONFIG.yaml
     if len(sys.argv) != 2:
-        print("usage: python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml", file=sys.stderr)
+        print("usage: python -m recover_hsdp.workers.resilient RESOLVED_CONFIG.yaml", file=sys.stderr)
         sys.exit(2)
     from recover_hsdp.faults import failstop
 

@@ -1,0 +1,10 @@
+"""The rank side's entry points, together: each is the function (or ``python -m`` module) one
+MPI rank runs, built from the TrainConfig the launcher validated (recover_hsdp/config).
+
+* resilient.py   ``run_worker(cfg)``: the resilient trainer behind `recover-hsdp train`
+                 (HSDPULFMTrainingManager; ReCoVer with policy=static, drop-and-go with adaptive)
+
+This package sits above config/ and hsdp/ and below the launcher (tests/unit/test_layering.py):
+it joins the config and the manager (the target layout, docs/architecture.md: the only package
+that imports both).
+"""
