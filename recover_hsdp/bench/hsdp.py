@@ -5,7 +5,7 @@ here, one after the other (never two at once), each with a time limit; docs/benc
 definitions, the last figures and their reading. Phases (``--phases``, default all, in this order):
 
 overhead     one job per G in --grad-accum (default 2, then 1) of W x S ranks (default 2 x 2)
-             running recover_hsdp.bench.hsdp_worker:
+             running recover_hsdp.workers.bench_hsdp:
              plain FSDP HYBRID_SHARD (gloo shard group + gloo replicate group, FSDP's own
              all-reduce inside every backward and its own divide) and the resilient
              ``HSDPULFMTrainingManager.train_step`` in the SAME processes, same model, data ids,
@@ -190,7 +190,7 @@ def run_overhead(args, work: Path, result: dict, G: int) -> None:
     cfg["bench"] = {"warmup": args.warmup, "steps": args.steps}
     out_dir = work / name / "ranks"
     _say(f"overhead: {W}x{S} ranks, G={G}, {args.warmup}+{args.steps} steps per arm")
-    job = launch(name, "recover_hsdp.bench.hsdp_worker", cfg, work, args.timeout,
+    job = launch(name, "recover_hsdp.workers.bench_hsdp", cfg, work, args.timeout,
                  [str(out_dir)])
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if len(ranks) != W * S:

@@ -3,6 +3,8 @@ MPI rank runs, built from the TrainConfig the launcher validated (recover_hsdp/c
 
 * resilient.py   ``run_worker(cfg)``: the resilient trainer behind `recover-hsdp train`
                  (HSDPULFMTrainingManager; ReCoVer with policy=static, drop-and-go with adaptive)
+* bench_hsdp.py  the A/B worker of `recover-hsdp bench hsdp` (manager vs torch's FSDP, one
+                 process per rank; ``python -m recover_hsdp.workers.bench_hsdp CFG OUT_DIR``)
 
 This package sits above config/ and hsdp/ and below the launcher (tests/unit/test_layering.py):
 it joins the config and the manager (the target layout, docs/architecture.md: the only package

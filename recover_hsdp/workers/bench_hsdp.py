@@ -6,16 +6,15 @@ phase times and process CPU time (less exposed to other tenants). Same work: the
 shards' max relative difference and the parameters' difference at the end. Each rank writes
 ``OUT_DIR/rank{g}.json`` and leaves with ``os._exit`` (MPI_Finalize under ULFM may hang).
 
-    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR
+    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.workers.bench_hsdp CFG.yaml OUT_DIR
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
-
-from recover_hsdp.bench import harness as H
 
 
 def run(cfg_path: str, out_dir: str) -> int:
@@ -174,13 +173,16 @@ def run(cfg_path: str, out_dir: str) -> int:
            "first": order, "baseline_phases": p_base, "resilient_phases": p_res, "max_param_diff": max(diffs) if diffs else None,
            "param_rel_rms_diff": (num / den) ** 0.5 if den else None,
            "grad_rel_diff_step0": grad_diff, "n_buckets": len(diffs), "load": os.getloadavg()}
-    H.write_json(Path(out_dir) / f"rank{rank}.json", out, indent=None)
+    from recover_hsdp.record.io import atomic_write
+
+    atomic_write(Path(out_dir) / f"rank{rank}.json",
+                 (json.dumps(out, default=str) + "\n").encode(), fsync=False)
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        print("usage: python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR",
+        print("usage: python -m recover_hsdp.workers.bench_hsdp CFG.yaml OUT_DIR",
               file=sys.stderr)
         sys.exit(2)
     rc = 1
