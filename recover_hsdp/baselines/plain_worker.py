@@ -189,17 +189,17 @@ def run_plain_worker(cfg: Any) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from recover_hsdp.config import (config_dict, data_config, load_train_config, model_config,
-                                     optim_config)
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
+    from recover_hsdp.config import config_dict
+    from recover_hsdp.workers.build import RankBuild
     from recover_hsdp.faults import FailureInjector, FailureSchedule, FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
-    from recover_hsdp.optim import build_optimizer, lr_at
-    from recover_hsdp.record import (ParamWriter, RunRecorder, RunSummary, StepRecord,
+    from recover_hsdp.model import fsdp_wrap_policy, next_token_loss
+    from recover_hsdp.optim import lr_at
+    from recover_hsdp.record import (ParamWriter, RunSummary, StepRecord,
                                      StepWriter, write_fault_fired, write_run_files)
 
-    cfg = load_train_config(cfg)
+    b = RankBuild.from_config(cfg)  # tokenizer, model, optimizer, data, loss (workers/build.py)
+    cfg = b.cfg
     c = config_dict(cfg)            # what the run directory's config.yaml records
     par, run, base = c["parallel"], c["run"], c["baseline"]
     mode = str(base["name"])
@@ -243,17 +243,14 @@ def run_plain_worker(cfg: Any) -> int:
                              group_desc="checkpoint") if cr else None
 
     # --- model, data, optimizer: as the resilient trainer ---------------------------------
-    data_cfg = data_config(c["data"], par)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = model_config(c["model"], tok.vocab_size)
-    optim_cfg = optim_config(c.get("optim", {}), steps)
-    model = build_model(model_cfg, seed=seed)
+    model = b.model()
     module = wrap_plain(model, shard_pg, replicate_pg, S, device, fsdp_wrap_policy(),
                         mixed_precision=fh.bf16_mixed_precision() if mp == "bf16" else None)
-    optimizer = build_optimizer(module.named_parameters(), optim_cfg)
-    source = build_microbatch_source(data_cfg, replica, W)
+    optimizer = b.optimizer(module)
+    optim_cfg = b.optim
+    source = b.source(replica, W)
     mbs = int(par["micro_batch_size"])
-    tpm = mbs * int(par["seq_len"])        # tokens of this rank's rows
+    tpm = b.tokens_per_microbatch          # tokens of this rank's rows
     tokens_per_step = B * S * tpm
 
     # --- failure schedule (checkpoint_restart): entries that already fired are dropped ------
@@ -288,8 +285,7 @@ def run_plain_worker(cfg: Any) -> int:
                              final_step=steps - 1)
         recorder = None
     else:
-        recorder = RunRecorder(run_dir, rank, replica, shard_index, params_every=10**9,
-                               final_step=steps - 1)
+        recorder = b.recorder(rank, replica, shard_index)
         recorder.start(meta, c, schedule)
         steps_out, params = None, recorder.params
     events("init_done")

@@ -1,6 +1,9 @@
 """The rank side's entry points, together: each is the function (or ``python -m`` module) one
 MPI rank runs, built from the TrainConfig the launcher validated (recover_hsdp/config).
 
+* build.py       ONE builder (RankBuild): config -> tokenizer, model, optimizer factory,
+                 microbatch sources, loss, recorder; every loop below (and the plain-FSDP
+                 baselines, baselines/plain_worker.py) builds its components there
 * resilient.py   ``run_worker(cfg)``: the resilient trainer behind `recover-hsdp train`
                  (HSDPULFMTrainingManager; ReCoVer with policy=static, drop-and-go with adaptive)
 * bench_hsdp.py  the A/B worker of `recover-hsdp bench hsdp` (manager vs torch's FSDP, one

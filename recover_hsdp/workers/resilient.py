@@ -16,62 +16,47 @@ from typing import Any, Mapping
 
 import torch
 
-from recover_hsdp.config import config_dict, data_config, load_train_config, model_config
+from recover_hsdp.config import config_dict
+from recover_hsdp.workers.build import RankBuild
 
 
 def run_worker(cfg: Any) -> int:
     """Train per the resolved config on this MPI rank. Returns 0 when every step committed.
 
     ``cfg``: the TrainConfig the launcher validated (or its file, or a DictConfig over it)."""
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
     from recover_hsdp.faults import FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
-    from recover_hsdp.optim import NonFiniteGradError, build_optimizer, lr_at
-    from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
+    from recover_hsdp.model import fsdp_wrap_policy
+    from recover_hsdp.optim import NonFiniteGradError
+    from recover_hsdp.record import RunSummary, StepRecord
 
-    cfg = load_train_config(cfg)
+    b = RankBuild.from_config(cfg)  # tokenizer, model, optimizer, data, loss, recorder
+    cfg = b.cfg
     c = config_dict(cfg)            # what the run directory's config.yaml records
     par, run = cfg.parallel, cfg.run
     W, S, G = par.replicas, par.shard_size, par.grad_accum
     steps, seed = run.steps, run.seed
-    run_dir = Path(run.output_dir)
+    run_dir = b.run_dir
     from recover_hsdp.faults import failstop
     from recover_hsdp.hsdp.topology import CKPT_SAVE_BOUND_S
 
     failstop.configure(run_dir)  # errors/rank{g}.json + traceback before a fail-stop
     torch.set_num_threads(run.omp_num_threads)
 
-    data_cfg = data_config(cfg.data, par)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = model_config(cfg.model, tok.vocab_size)
-    optim_cfg = cfg.optim.with_total_steps(steps)
-    model = build_model(model_cfg, seed=seed)
-    sources: dict[int, Any] = {}
+    model = b.model()
     w0 = _source_width(W)       # sources by INITIAL slice (a resume may change W)
-
-    def microbatch_fn(replica: int, mb_id: int):
-        s = mb_id % w0
-        if s not in sources:
-            sources[s] = build_microbatch_source(data_cfg, s, w0)
-        return sources[s].get(mb_id)
-
-    tpm = par.micro_batch_size * par.seq_len  # tokens of this rank's rows
-
-    def loss_fn(module, x, y):
-        return next_token_loss(module(x), y, tokens_per_microbatch=tpm)
 
     device = rank_device(run.gpus_per_node, S, run.device)
     mgr = HSDPULFMTrainingManager(
-        model, optimizer_factory=lambda m: build_optimizer(m.named_parameters(), optim_cfg),
-        microbatch_fn=microbatch_fn, loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
-        auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name,
-        lr_fn=lambda step: lr_at(step, optim_cfg),
+        model, optimizer_factory=b.optimizer_factory,
+        microbatch_fn=b.microbatch_fn(w0), loss_fn=b.loss_fn, replicas=W, shard_size=S,
+        grad_accum=G, auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name,
+        lr_fn=b.lr_fn,
         restore_enabled=cfg.debug.restore_enabled,
         shard_timeout_s=cfg.watchdog.shard_timeout_s, device=device,
         mixed_precision=par.mixed_precision,
-        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps,
+        grad_clip=b.optim.clip, max_skipped_steps=b.optim.max_skipped_steps,
         standby=par.standby)
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c["failures"]).build(
@@ -80,8 +65,7 @@ def run_worker(cfg: Any) -> int:
 
     shard_bytes = sum(t.numel() * t.element_size() for t in fh.local_flat_shards(mgr.module))
     every = snapshot_every(run.save_params_every, shard_bytes)
-    recorder = RunRecorder(run_dir, mgr.rank, mgr.replica, mgr.shard_index,
-                           params_every=every or 10**9, final_step=steps - 1)
+    recorder = b.recorder(mgr.rank, mgr.replica, mgr.shard_index, params_every=every)
     mgr.set_failure_schedule(schedule, before_kill=recorder.fault_fired)
     # meta.json must be byte-identical on every rank: describe the layout as seen by shard 0
     # (flat_shard_from_full derives any shard j from padded_numel and shard_size)
@@ -91,8 +75,7 @@ def run_worker(cfg: Any) -> int:
         d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
         layout.append(d)
     fp_slice = 0 if mgr.is_standby else mgr.replica % w0   # a standby has no slice until promoted
-    sources[fp_slice] = sources.get(fp_slice) or build_microbatch_source(data_cfg, fp_slice, w0)
-    fingerprint = sources[fp_slice].fingerprint
+    fingerprint = b.source(fp_slice, w0).fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": cfg.policy.name,
