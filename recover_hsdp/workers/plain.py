@@ -55,8 +55,18 @@ from typing import Any
 
 import torch
 
-from recover_hsdp.baselines import (CKPT_DIR, ENV_ATTEMPT, MODE_CHECKPOINT_RESTART,
-                                    MODE_REFERENCE, attempt_dir)
+from recover_hsdp.record.timeline_base import ATTEMPTS_DIR   # <run dir>/attempts, as read back
+
+MODE_REFERENCE = "reference"
+MODE_CHECKPOINT_RESTART = "checkpoint_restart"
+ENV_ATTEMPT = "RECOVER_HSDP_ATTEMPT"   # the launcher's attempt number (checkpoint_restart)
+CKPT_DIR = "ckpt"
+
+
+def attempt_dir(run_dir, attempt: int) -> Path:
+    """<run dir>/attempts/NN: one checkpoint-restart attempt's step files and events."""
+    return Path(run_dir) / ATTEMPTS_DIR / f"{int(attempt):02d}"
+
 
 _CKPT_PREFIX = "step"
 
