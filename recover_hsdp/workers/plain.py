@@ -211,20 +211,18 @@ def run_plain_worker(cfg: Any) -> int:
     b = RankBuild.from_config(cfg)  # tokenizer, model, optimizer, data, loss (workers/build.py)
     cfg = b.cfg
     c = config_dict(cfg)            # what the run directory's config.yaml records
-    par, run, base = c["parallel"], c["run"], c["baseline"]
-    mode = str(base["name"])
+    par, run, base = cfg.parallel, cfg.run, cfg.baseline
+    mode = base.name
     if mode not in (MODE_REFERENCE, MODE_CHECKPOINT_RESTART):
         raise ValueError(f"baseline.name({mode!r}) is not a plain-FSDP baseline")
     cr = mode == MODE_CHECKPOINT_RESTART
-    W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
+    W, S, G = par.replicas, par.shard_size, par.grad_accum
     B = W * G
-    steps = int(run["steps"])
-    seed = int(run.get("seed", 0))
-    run_dir = Path(run["output_dir"])
+    steps, seed = run.steps, run.seed
+    run_dir = b.run_dir
     attempt = int(os.environ.get(ENV_ATTEMPT, "0")) if cr else 0
-    interval = int(base.get("ckpt_interval", 4))
-    use_async = bool(base.get("ckpt_async", False))
-    torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
+    interval, use_async = base.ckpt_interval, base.ckpt_async
+    torch.set_num_threads(run.omp_num_threads)
     timeout_s = float(cfg.watchdog.shard_timeout_s)
 
     # --- process groups: torch's own ------------------------------------------------------
@@ -237,9 +235,9 @@ def run_plain_worker(cfg: Any) -> int:
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
     from recover_hsdp.workers.resilient import rank_device, step_resources
 
-    device = rank_device(run.get("gpus_per_node"), S, run.get("device") or "auto") \
+    device = rank_device(run.gpus_per_node, S, run.device) \
         or fh.local_device()
-    mp = resolve_mixed_precision(str(par.get("mixed_precision") or "auto"), device)
+    mp = resolve_mixed_precision(par.mixed_precision, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     shard_pg = fh.new_shard_groups(topo, backend=backend, timeout_s=timeout_s)
     replicate_pg = None
@@ -259,13 +257,13 @@ def run_plain_worker(cfg: Any) -> int:
     optimizer = b.optimizer(module)
     optim_cfg = b.optim
     source = b.source(replica, W)
-    mbs = int(par["micro_batch_size"])
+    mbs = par.micro_batch_size
     tpm = b.tokens_per_microbatch          # tokens of this rank's rows
     tokens_per_step = B * S * tpm
 
     # --- failure schedule (checkpoint_restart): entries that already fired are dropped ------
     n_buckets = len(fh.flat_param_handles(module))
-    schedule = FailuresConfig.from_mapping(c.get("failures")).build(
+    schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W, S, G, n_buckets, steps=steps, base_dir=None)
     fired = fired_entries(run_dir)
     pending = FailureSchedule.from_list([e.to_dict() for e in schedule.entries
@@ -288,7 +286,7 @@ def run_plain_worker(cfg: Any) -> int:
             "mode": mode, "processes_per_replica": S}
     if cr:
         meta.update(ckpt_interval=interval, ckpt_async=use_async,
-                    max_restarts=int(base.get("max_restarts", 20)))
+                    max_restarts=base.max_restarts)
         write_run_files(run_dir, meta, c, schedule)
         steps_out = StepWriter(attempt_dir(run_dir, attempt), rank)
         params = ParamWriter(run_dir, rank, replica, shard_index, every=10**9,
@@ -401,7 +399,7 @@ def run_plain_worker(cfg: Any) -> int:
         (steps_out.write(rec) if cr else recorder.commit(rec))
         if params.due(step):  # never a per-step copy (the writer copies the due ones)
             params.save(step, {f"flat{i}": t for i, t in enumerate(fh.local_flat_shards(module))})
-        if is_logger and (step % int(run.get("log_every", 1) or 1) == 0 or step == steps - 1):
+        if is_logger and (step % run.log_every == 0 or step == steps - 1):
             el = time.perf_counter() - t_start
             print(f"step {step:5d}  loss {loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"attempt {attempt}  [{mode}]", flush=True)
