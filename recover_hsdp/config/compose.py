@@ -199,6 +199,11 @@ def resolve_config(cfg: DictConfig, *, cwd: "str | os.PathLike | None" = None,
     taken relative to ``cwd`` (default: the current directory).
     """
     cwd = Path(cwd or os.getcwd())
+    from recover_hsdp.config.legacy import OLD_RUN_KEYS, move_old_keys, notice_stderr
+
+    if OmegaConf.is_config(cfg) and "run" in cfg and any(k in cfg.run for k in OLD_RUN_KEYS):
+        # composed by Hydra's own app (hydra_app) against ComposeSchema: move the old keys
+        cfg = move_old_keys(OmegaConf.to_container(cfg, resolve=False), notice_stderr)
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)   # typed copy
     try:
         OmegaConf.resolve(cfg)
