@@ -2,15 +2,15 @@
 section 7.
 
 One resilient run of --steps (300) steps, SMALL model (recover_hsdp/tools/chaos.py), W=4 S=1 G=2
-(B=8), a DCP checkpoint every --ckpt-interval steps, run.min_replicas=2, and every way a long run
+(B=8), a DCP checkpoint every --ckpt-interval steps, elastic.min_replicas=2, and every way a long run
 is interrupted, all real (SIGKILL of ranks by the fault schedule, SIGUSR1 to the launcher):
 
 segment 0  W=4: replicas 3, 2 killed (in-place recovery goes on with W=3, then 2); replica 1
-           killed -> 1 alive < run.min_replicas -> the ranks checkpoint, the launcher relaunches
+           killed -> 1 alive < elastic.min_replicas -> the ranks checkpoint, the launcher relaunches
 segment 1  at FULL width (W=4) from that checkpoint (the scale-back-up); at --stop-at the
            launcher gets SIGUSR1: checkpoint, exit 4
-segment 2  forced resume at ANOTHER replica count: run.resume=true with W=2 G=4 (B kept),
-           run.min_replicas=0; replica 1 killed (W=1 to the end)
+segment 2  forced resume at ANOTHER replica count: checkpoint.resume=true with W=2 G=4 (B kept),
+           elastic.min_replicas=0; replica 1 killed (W=1 to the end)
 
 Then failure-free references (baseline=reference, data.seed 0..--ref-seeds-1, same shape as
 segment 0) make the data-order band, and the resilient run is scored against it exactly as
@@ -132,7 +132,7 @@ def run_resilient(args: argparse.Namespace, root: Path) -> tuple[Path, dict]:
         return ["failures.kind=schedule", f"failures.path={root / name}"]
 
     # one schedule per launcher: a replica index names another process after the relaunch
-    common = ["data.seed=0", f"run.ckpt_interval={args.ckpt_interval}"]
+    common = ["data.seed=0", f"checkpoint.interval={args.ckpt_interval}"]
     if args.reuse and _complete(run_dir, args.steps):
         _log("resilient: reused (complete)")
         return run_dir, {"plan": pl}
@@ -141,14 +141,14 @@ def run_resilient(args: argparse.Namespace, root: Path) -> tuple[Path, dict]:
     _log(f"resilient: segments 0-1 (W=4 G=2, kills {pl['kills_seg0']}, relaunch, SIGUSR1 at "
          f"step {pl['stop_at']})")
     rc1, w1 = _launch(_cmd(run_dir, ["parallel.replicas=4", "parallel.grad_accum=2",
-                                     "run.min_replicas=2", "run.overwrite=true", *common,
+                                     "elastic.min_replicas=2", "run.overwrite=true", *common,
                                      *sched("kills_seg01.yaml", pl["kills_seg0"])],
                            args.steps), log, args.timeout_s, pl["stop_at"], run_dir)
     if rc1 != 4:
         raise RuntimeError(f"segments 0-1 exited {rc1}, expected 4 (log: {log})")
     _log(f"resilient: segment 2 (resume at W=2 G=4, kill {pl['kill_seg2']})")
     rc2, w2 = _launch(_cmd(run_dir, ["parallel.replicas=2", "parallel.grad_accum=4",
-                                     "run.min_replicas=0", "run.resume=true", *common,
+                                     "elastic.min_replicas=0", "checkpoint.resume=true", *common,
                                      *sched("kills_seg2.yaml", [pl["kill_seg2"]])],
                            args.steps), log, args.timeout_s)
     if rc2 != 0:

@@ -11,8 +11,9 @@ Two modes, one file:
   OMP_NUM_THREADS and RECOVER_HSDP_SHARD_TIMEOUT_S set, stream its output (also to
   ``launcher/output.log``), and decide success from the RUN DIRECTORY (mpirun exits 0 even
   after ranks were killed under ULFM): every step in [0, run.steps) committed.
-* Worker (``--worker FILE``, inside each MPI rank): load the resolved config, check it against
-  the MPI world size, call ``recover_hsdp.hsdp.trainer.run_worker(cfg) -> int``.
+* Worker (``--worker FILE``, inside each MPI rank): load the resolved config as the dataclasses
+  (``recover_hsdp.config.load_train_config`` -> ``TrainConfig``), check it against the MPI world
+  size, call ``recover_hsdp.workers.resilient.run_worker(cfg) -> int``.
 
 Sweeps (``-m``/``--multirun``): Hydra's sweep syntax (``parallel.replicas=2,4``,
 ``range(1,4)``, ``choice(a,b)``), the cartesian product, run one job at a time, each in
@@ -167,13 +168,13 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
         cfg = resolve_config(cfg, cwd=cwd, run_dir=run_dir, now=now)
         checked = validate(cfg)
         _check_inputs(checked)
-        if holds_run(run_dir) and not cfg.run.overwrite and not cfg.run.get("resume", False):
+        if holds_run(run_dir) and not cfg.run.overwrite and not cfg.checkpoint.resume:
             from recover_hsdp.config import TrainConfigError
 
             raise TrainConfigError(f"run.output_dir({str(run_dir)!r}) already holds a run: "
                                    f"choose another run.output_dir/run.name or set "
                                    f"run.overwrite=true")
-        if cfg.run.get("resume", False):   # issue 14: a checkpoint to resume from, compatible
+        if cfg.checkpoint.resume:   # a checkpoint to resume from, compatible
             from recover_hsdp.launcher.resume import check_resume_dir
             check_resume_dir(cfg, run_dir)
         jobs.append(Job(i if multirun else None, list(ovs), swept, cfg, checked))
@@ -222,8 +223,7 @@ def check_worker_available() -> str | None:
 
 def launch_job(job: Job) -> JobResult:
     """Write the resolved config, host the store, run mpirun, judge the run directory."""
-    from omegaconf import OmegaConf
-
+    from recover_hsdp.config import save_config
     from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launcher.run import run_job
     from recover_hsdp.launcher.store import default_store_host
@@ -241,10 +241,10 @@ def launch_job(job: Job) -> JobResult:
     ldir = run_dir / LAUNCHER_DIR
     ldir.mkdir(parents=True, exist_ok=True)
     config_path = ldir / "config.yaml"
-    OmegaConf.save(job.cfg, config_path, resolve=True)
+    save_config(job.cfg, config_path)      # the ranks load it as the dataclasses
     host = job.cfg.run.store_host or default_store_host()
     from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
-    tries = 1 + int(job.cfg.run.get("start_retries", 1) or 0)
+    tries = 1 + int(job.cfg.elastic.start_retries)
     for attempt in range(1, tries + 1):   # a death before the world forms: launch again
         try:
             with serve_store(host) as store:
@@ -257,16 +257,16 @@ def launch_job(job: Job) -> JobResult:
                 print(f"[{PROG}] run directory {run_dir}", flush=True)
                 print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
                 watchdog = None
-                if job.cfg.run.get("hang_timeout_s"):   # hung ranks: verdict, SIGKILL from here
+                wd = job.cfg.watchdog
+                if wd.hang_timeout_s:   # hung ranks: verdict, SIGKILL from here
                     from recover_hsdp.launcher.watchdog import HangWatchdog
 
-                    watchdog = HangWatchdog(run_dir, float(job.cfg.run.hang_timeout_s),
-                                            float(job.cfg.run.heartbeat_s),
-                                            job.cfg.run.get("progress_timeout_s"),
-                                            floor_s=float(job.cfg.run.get("progress_floor_s", 30.0)),
+                    watchdog = HangWatchdog(run_dir, float(wd.hang_timeout_s),
+                                            float(wd.heartbeat_s), wd.progress_timeout_s,
+                                            floor_s=float(wd.progress_floor_s),
                                             shard_size=int(job.cfg.parallel.shard_size)).start()
                 start = StartupWatch(run_dir, int(job.cfg.run.np),
-                                     job.cfg.run.get("startup_timeout_s")) if watchdog else None
+                                     wd.startup_timeout_s) if watchdog else None
                 try:
                     from recover_hsdp.launcher.resume import end_watch
 
@@ -287,13 +287,13 @@ def launch_job(job: Job) -> JobResult:
             break
         if attempt < tries:
             print(f"[{PROG}] start-up failed ({outcome.reason}) after {outcome.wall_s:.1f} s: "
-                  f"launching again ({attempt}/{tries - 1} of run.start_retries)", flush=True)
+                  f"launching again ({attempt}/{tries - 1} of elastic.start_retries)", flush=True)
             clear_startup_state(run_dir)
             continue
         res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps),
                         launcher_wall_s=outcome.wall_s)
         res.note = (f"start-up failed {tries} time(s), the last: {outcome.reason} "
-                    f"(run.start_retries={tries - 1}); see {ldir / 'output.log'}")
+                    f"(elastic.start_retries={tries - 1}); see {ldir / 'output.log'}")
         return res
     res = judge_run(job, outcome.wall_s, outcome.stopped)
     if outcome.stopped == "time_limit" and not res.note:
@@ -360,14 +360,14 @@ def worker_main(path: str) -> int:
     from recover_hsdp.faults.startup import mark_phase, mark_start
 
     mark_start()    # ranks/start.rank{g}.json: the launcher sees a death before the world forms
-    from recover_hsdp.config import TrainConfigError, check_world, load_config
+    from recover_hsdp.config import TrainConfigError, check_world, load_train_config
 
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "?"))
     world = os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
     from recover_hsdp.faults import failstop
 
     try:
-        cfg = load_config(path)
+        cfg = load_train_config(path)     # the dataclasses, as the launcher validated them
         check_world(cfg, int(world) if world else None)
         fn = load_worker_fn(cfg)
         mark_phase("imported")      # torch and the trainer are in: start-up progress
@@ -380,7 +380,7 @@ def worker_main(path: str) -> int:
         return EXIT_CONFIG
     # any exception or error exit from here on is a fail-stop the survivors see (a non-zero
     # exit is not noticed by ULFM): logged to <run dir>/errors/, then SIGKILL
-    failstop.configure(os.environ.get(failstop.ENV_RUN_DIR) or cfg.run.get("output_dir"))
+    failstop.configure(os.environ.get(failstop.ENV_RUN_DIR) or cfg.run.output_dir)
     failstop.install_hooks()
     return int(failstop.run_failstop(fn, cfg, where="trainer") or 0)
 

@@ -9,20 +9,12 @@
   mpirun job, and the launcher (:mod:`recover_hsdp.baselines.checkpoint_restart`) relaunches it
   from the last checkpoint until every step is committed.
 
-:mod:`recover_hsdp.baselines.plain_worker` is the per-rank loop of both.
+:mod:`recover_hsdp.workers.plain` is the per-rank loop of both (workers/: the rank side's entry
+points); this package holds the launcher side, checkpoint_restart.py.
 """
 from __future__ import annotations
 
-MODE_REFERENCE = "reference"
-MODE_CHECKPOINT_RESTART = "checkpoint_restart"
-ENV_ATTEMPT = "RECOVER_HSDP_ATTEMPT"
-ATTEMPTS_DIR = "attempts"
-CKPT_DIR = "ckpt"
 RESTARTS = "restarts.jsonl"
-PLAIN_WORKER_FN = "recover_hsdp.baselines.plain_worker:run_plain_worker"
-
-
-def attempt_dir(run_dir, attempt: int):
-    from pathlib import Path
-
-    return Path(run_dir) / ATTEMPTS_DIR / f"{int(attempt):02d}"
+#: the per-rank loop of both (the constants it shares with the launcher live there too:
+#: MODE_*, ENV_ATTEMPT, CKPT_DIR, attempt_dir)
+PLAIN_WORKER_FN = "recover_hsdp.workers.plain:run_plain_worker"

@@ -5,7 +5,7 @@ Runs in the launcher (the process running ``recover-hsdp train baseline=checkpoi
     for attempt k = 0, 1, ...:
         host a NEW TCPStore, run a NEW plain ``mpirun`` (no ``--with-ft ulfm``: a rank that dies
         on a signal makes mpirun abort the whole job) with RECOVER_HSDP_ATTEMPT=k
-        -> the ranks (plain_worker.py) load the newest complete checkpoint and train on
+        -> the ranks (workers/plain.py) load the newest complete checkpoint and train on
         when mpirun exits: append restarts.jsonl; stop when [0, run.steps) is committed,
         relaunch when the attempt died (a fault marker newer than its launch, or a non-zero
         exit), give up after baseline.max_restarts relaunches (exit 1, one line)
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover_hsdp.baselines import (ENV_ATTEMPT, PLAIN_WORKER_FN, RESTARTS, attempt_dir)
-from recover_hsdp.baselines.plain_worker import latest_checkpoint
+from recover_hsdp.baselines import PLAIN_WORKER_FN, RESTARTS
+from recover_hsdp.workers.plain import ENV_ATTEMPT, attempt_dir, latest_checkpoint
 from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, ULFM_FLAGS,  # noqa: F401
                                        JobResult, holds_run, job_command, job_env,
                                        plain_mpirun, print_error)

@@ -5,7 +5,7 @@ here, one after the other (never two at once), each with a time limit; docs/benc
 definitions, the last figures and their reading. Phases (``--phases``, default all, in this order):
 
 overhead     one job per G in --grad-accum (default 2, then 1) of W x S ranks (default 2 x 2)
-             running recover_hsdp.bench.hsdp_worker:
+             running recover_hsdp.workers.bench_hsdp:
              plain FSDP HYBRID_SHARD (gloo shard group + gloo replicate group, FSDP's own
              all-reduce inside every backward and its own divide) and the resilient
              ``HSDPULFMTrainingManager.train_step`` in the SAME processes, same model, data ids,
@@ -13,7 +13,7 @@ overhead     one job per G in --grad-accum (default 2, then 1) of W x S ranks (d
              reported: median over the timed steps of each arm, their ratio (target <= 1.05),
              the median and quartiles of the per-step ratio, and the max parameter difference
              between the arms at the end (same work => float rounding only).
-trainer      the real trainer (``python -m recover_hsdp.hsdp.trainer``) with the config of the
+trainer      the real trainer (``python -m recover_hsdp.workers.resilient``) with the config of the
              first overhead job and no failures: median ``local.wall_s`` (what train_step
              measures) and the median commit-to-commit interval (adds the per-step record line),
              against that overhead job's baseline median (another job: noisier than the A/B).
@@ -124,8 +124,9 @@ def make_config(args: argparse.Namespace, run_dir: Path, *, W: int, S: int, G: i
         "failures": ({"kind": "schedule", "schedule": schedule} if schedule
                      else {"kind": "none"}),
         "optim": {"lr": 0.003, "warmup_steps": 1},
-        "run": {"steps": steps, "output_dir": str(run_dir), "seed": 0, "threads": 1,
-                "save_params_every": 0, "shard_timeout_s": 30},
+        "run": {"steps": steps, "output_dir": str(run_dir), "seed": 0, "omp_num_threads": 1,
+                "save_params_every": 0},
+        "watchdog": {"shard_timeout_s": 30},
         "debug": {"restore_enabled": True},
     }
 
@@ -169,7 +170,7 @@ def launch(name: str, module: str, cfg: dict, work: Path, timeout: float,
     log = work / f"{name}.log"
     with serve_store(default_store_host()) as addr:
         env = L.rank_env(addr, omp_num_threads=1,
-                         shard_timeout_s=cfg["run"].get("shard_timeout_s"))
+                         shard_timeout_s=cfg.get("watchdog", {}).get("shard_timeout_s"))
         cmd = ([L.find_mpirun()] + L.base_mpirun_args(n, export=L.exported_vars(env))
                + [sys.executable, "-m", module, str(cfg_path), *extra_args])
         with open(os.devnull, "wb") as sink:
@@ -191,7 +192,7 @@ def run_overhead(args, work: Path, result: dict, G: int) -> None:
     cfg["bench"] = {"warmup": args.warmup, "steps": args.steps}
     out_dir = work / name / "ranks"
     _say(f"overhead: {W}x{S} ranks, G={G}, {args.warmup}+{args.steps} steps per arm")
-    job = launch(name, "recover_hsdp.bench.hsdp_worker", cfg, work, args.timeout,
+    job = launch(name, "recover_hsdp.workers.bench_hsdp", cfg, work, args.timeout,
                  [str(out_dir)])
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if len(ranks) != W * S:
@@ -213,7 +214,7 @@ def run_trainer(args, work: Path, result: dict) -> None:
     run_dir = work / "trainer" / "run"
     cfg = make_config(args, run_dir, W=W, S=S, G=G, steps=args.warmup + args.steps)
     _say(f"trainer: {W}x{S} ranks, {args.warmup + args.steps} steps, no failures")
-    job = launch("trainer", "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
+    job = launch("trainer", "recover_hsdp.workers.resilient", cfg, work, args.timeout)
     if not (run_dir / "summary.json").exists():
         _failed(result, "trainer job did not finish", job)
         return
@@ -239,7 +240,7 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
                           schedule=schedule)
         _say(f"{kind} run {i + 1}/{len(schedules)}: W={W} S={S} G={G}, kills at steps "
              f"{','.join(str(e['step']) for e in schedule)}")
-        job = launch(name, "recover_hsdp.hsdp.trainer", cfg, work, args.timeout)
+        job = launch(name, "recover_hsdp.workers.resilient", cfg, work, args.timeout)
         if not (run_dir / "summary.json").exists():
             _failed(result, f"{name} did not finish", job)
             continue

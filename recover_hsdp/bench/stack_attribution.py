@@ -171,7 +171,7 @@ def profiled_worker(cfg: Any) -> int:
         return finish(self, summary)
 
     RunRecorder.finish = finish_and_dump
-    from recover_hsdp.hsdp.trainer import run_worker
+    from recover_hsdp.workers.resilient import run_worker
 
     return run_worker(cfg)
 

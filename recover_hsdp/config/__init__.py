@@ -4,7 +4,8 @@ One config object describes a run; `recover-hsdp train` composes it from conf/ (
 plus command-line overrides, RESOLVES it (fills every derived value, makes paths absolute),
 VALIDATES it before any process starts, writes it to ``<run dir>/launcher/config.yaml`` and
 hands that file to every rank (``python -m recover_hsdp.train --worker <file>``), which loads it
-with :func:`load_config` and calls ``recover_hsdp.hsdp.trainer.run_worker(cfg)``.
+with :func:`load_train_config` (the TrainConfig dataclasses) and calls
+``recover_hsdp.workers.resilient.run_worker(cfg)``.
 
 Groups and who owns their schema:
 
@@ -38,13 +39,16 @@ No ``from __future__ import annotations``: OmegaConf reads the dataclass annotat
 # Every public name is re-exported here: import from recover_hsdp.config.
 from recover_hsdp.config.compose import (  # noqa: F401
     compose_config,
+    config_dict,
     default_run_dir,
     hydra_error_line,
     load_config,
+    load_train_config,
     normalize_failures,
     one_line,
     register_configs,
     resolve_config,
+    save_config,
 )
 from recover_hsdp.config.groups import (  # noqa: F401
     BASELINES,
@@ -58,16 +62,20 @@ from recover_hsdp.config.groups import (  # noqa: F401
     SCHEMA_NAME,
     TYPED_GROUPS,
     BaselineConfig,
+    CheckpointConfig,
     DebugConfig,
+    ElasticConfig,
     FailuresSchema,
     ParallelConfig,
     PolicyConfig,
     RunConfig,
     TrainConfig,
     TrainConfigError,
+    WatchdogConfig,
     group_keys,
     untyped_groups,
 )
+from recover_hsdp.config.legacy import OLD_RUN_KEYS  # noqa: F401
 from recover_hsdp.config.objects import (  # noqa: F401
     data_config,
     model_config,

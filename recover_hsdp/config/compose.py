@@ -1,5 +1,8 @@
-"""Composition (Hydra's compose API), the one-line error translation, loading a resolved
-file, and resolution (every derived value filled in). See the package docstring."""
+"""Composition (Hydra's compose API), the one-line error translation, resolution (every derived
+value filled in), and the hand-off to the ranks: :func:`save_config` writes the resolved config
+(launcher side), :func:`load_train_config` reads it back in a rank as the dataclasses
+(:class:`TrainConfig`). See the package docstring."""
+import dataclasses
 import datetime
 import os
 from pathlib import Path
@@ -27,7 +30,9 @@ def register_configs() -> None:
     """Register the root schema with Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    from recover_hsdp.config.legacy import ComposeSchema
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=ComposeSchema)
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
@@ -38,11 +43,15 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """
     from hydra import compose, initialize_config_dir
 
+    from recover_hsdp.config.legacy import move_old_keys, notice_stderr
+
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3",
                                    job_name="recover_hsdp_train"):
-            return compose(config_name=CONFIG_NAME, overrides=list(overrides))
+            cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides))
+        plain = move_old_keys(OmegaConf.to_container(cfg, resolve=False), notice_stderr)
+        return OmegaConf.merge(OmegaConf.structured(TrainConfig), plain)
     except Exception as e:  # noqa: BLE001 - translated to one line below
         raise TrainConfigError(hydra_error_line(e, overrides)) from None
 
@@ -103,15 +112,55 @@ def hydra_error_line(e: BaseException, overrides: Sequence[str] = ()) -> str:
 
 def load_config(path: "str | os.PathLike") -> DictConfig:
     """A resolved config file (launcher/config.yaml, or a run directory's config.yaml) as the
-    typed root (struct: reading a key that does not exist raises)."""
+    typed root (struct: reading a key that does not exist raises). A file written before the
+    ``run`` group was split has its old keys moved (recover_hsdp/config/legacy.py)."""
+    from recover_hsdp.config.legacy import move_old_keys
+
     try:
-        loaded = OmegaConf.load(os.fspath(path))
-        return OmegaConf.merge(OmegaConf.structured(TrainConfig), loaded)
+        loaded = OmegaConf.to_container(OmegaConf.load(os.fspath(path)), resolve=False)
+        return OmegaConf.merge(OmegaConf.structured(TrainConfig), move_old_keys(loaded))
     except Exception as e:  # noqa: BLE001
         oc = _omegaconf_error(e)
         if oc is not None and getattr(oc, "full_key", None):
             raise TrainConfigError(f"{path}: {hydra_error_line(e)}") from None
         raise TrainConfigError(f"{path}: cannot load config: {one_line(e)}") from None
+
+
+def save_config(cfg: DictConfig, path: "str | os.PathLike") -> Path:
+    """The launcher's half of the hand-off: the resolved, validated config as a YAML file (every
+    interpolation resolved), which each rank reads with :func:`load_train_config`."""
+    path = Path(path)
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
+
+
+def load_train_config(cfg: Any) -> TrainConfig:
+    """The rank's half of the hand-off: the config as the dataclasses (:class:`TrainConfig`,
+    each group's own checks run once, in its ``__post_init__``), from the file
+    :func:`save_config` wrote, a DictConfig over the schema, a mapping, or a TrainConfig."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    if isinstance(cfg, (str, os.PathLike)):
+        node = load_config(cfg)
+    elif isinstance(cfg, DictConfig):
+        node = cfg
+    else:
+        from recover_hsdp.config.legacy import move_old_keys
+
+        node = OmegaConf.merge(OmegaConf.structured(TrainConfig), move_old_keys(dict(cfg)))
+    try:
+        return OmegaConf.to_object(node)
+    except TrainConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a group's __post_init__ or OmegaConf: one line
+        if _omegaconf_error(e) is not None:
+            raise TrainConfigError(hydra_error_line(e)) from None
+        raise TrainConfigError(one_line(e)) from None
+
+
+def config_dict(cfg: Any) -> dict:
+    """A TrainConfig (or any dataclass) as plain Python containers."""
+    return dataclasses.asdict(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +199,11 @@ def resolve_config(cfg: DictConfig, *, cwd: "str | os.PathLike | None" = None,
     taken relative to ``cwd`` (default: the current directory).
     """
     cwd = Path(cwd or os.getcwd())
+    from recover_hsdp.config.legacy import OLD_RUN_KEYS, move_old_keys, notice_stderr
+
+    if OmegaConf.is_config(cfg) and "run" in cfg and any(k in cfg.run for k in OLD_RUN_KEYS):
+        # composed by Hydra's own app (hydra_app) against ComposeSchema: move the old keys
+        cfg = move_old_keys(OmegaConf.to_container(cfg, resolve=False), notice_stderr)
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)   # typed copy
     try:
         OmegaConf.resolve(cfg)

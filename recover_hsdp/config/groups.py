@@ -47,6 +47,13 @@ def _positive_ints(group: str, obj: Any, keys: Sequence[str]) -> None:
             raise TrainConfigError(f"{group}.{key}({v!r}) must be an integer >= 1")
 
 
+def _non_negative_ints(group: str, obj: Any, keys: Sequence[str]) -> None:
+    for key in keys:
+        v = getattr(obj, key)
+        if not _is_int(v) or v < 0:
+            raise TrainConfigError(f"{group}.{key}({v!r}) must be an integer >= 0")
+
+
 # ---------------------------------------------------------------------------------------------
 # Typed groups
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +73,7 @@ class ParallelConfig:
     seq_len: int = 128             # tokens per sequence (the authority; data.seq_len follows)
     global_batch: Optional[int] = None   # B in microbatches, if you want it checked; null = W*G
     mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
-    standby: int = 0               # hot-standby replicas launched idle (issue 15, docs/rejoin.md)
+    standby: int = 0               # hot-standby replicas launched idle (docs/rejoin.md)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
@@ -120,7 +127,6 @@ class RunConfig:
     save_params_every: Any = "auto"        # parameter snapshots every N steps (+ init, final);
                                            # 0: init and final only; auto: by size (every step
                                            # while a rank's shard <= 256 MiB, docs/verify.md)
-    shard_timeout_s: float = 60.0          # shard-group collective timeout (hung peer)
     np: Optional[int] = None               # ranks to launch; null: replicas * shard_size
     mpirun: Optional[str] = None           # mpirun executable; null: next to python, else PATH
     mpirun_args: List[str] = field(default_factory=list)   # extra mpirun arguments
@@ -128,53 +134,19 @@ class RunConfig:
     store_host: Optional[str] = None       # TCPStore host the ranks connect to; null: 127.0.0.1
                                            # (hostname inside a multi-node Slurm allocation)
     time_limit_s: Optional[float] = None   # wall-clock limit of the job; null: none
-    # hung-rank detector (docs/faults.md): every rank beats every heartbeat_s; the launcher
-    # SIGKILLs a rank whose heartbeat is older than hang_timeout_s (null or 0: off)
-    heartbeat_s: float = 1.0
-    hang_timeout_s: Optional[float] = 5.0
-    progress_timeout_s: Any = "auto"       # also kill on no progress outside long phases:
-                                           # auto: max(progress_floor_s, 3 x the median step)
-    progress_floor_s: float = 30.0         # the floor of the auto progress bound
     gpus_per_node: Optional[int] = None    # GPUs per node; ranks use cuda:(local rank % it),
                                            # so several replicas may share one; null: all visible
     device: str = "auto"                   # auto: cuda when available, else cpu; cpu: CPU even
                                            # on a GPU machine (gloo shard groups)
-    # checkpoint / resume of the resilient trainer (issue 14, docs/checkpoint.md)
-    ckpt_interval: int = 0                 # DCP checkpoint every N committed steps; 0: none
-    ckpt_async: bool = True                # dcp.async_save (the step does not wait for the disk)
-    keep_checkpoints: int = 3              # retention: the newest K complete checkpoints; 0: all
-    keep_every: int = 0                    # also keep every M-th step's checkpoint; 0: none
-    resume: bool = False                   # continue run.output_dir from its newest checkpoint
-    min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
-    max_restarts: int = 3                  # automatic full-width relaunches of one launcher
-    # rejoin (issue 15, docs/rejoin.md): standbys first, then a full-width relaunch
-    rejoin: bool = False                   # fewer than W alive, no standby left: relaunch at W
-    max_rejoins: int = 3                   # such relaunches; past it the run goes on degraded
-    rejoin_backoff_s: float = 1.0          # wait before the n-th: rejoin_backoff_s * 2**(n-1)
-    # deaths before the world forms (issue 12, faults/startup.py): relaunch up to start_retries
-    start_retries: int = 1
-    startup_timeout_s: Optional[float] = None  # no start-up progress for: failed; null: 65 s
 
     def __post_init__(self) -> None:
         _positive_ints("run", self, ("steps", "log_every", "omp_num_threads"))
-        for key in ("ckpt_interval", "min_replicas", "max_restarts", "start_retries",
-                    "max_rejoins", "keep_checkpoints", "keep_every"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
-                raise TrainConfigError(f"run.{key}({getattr(self, key)!r}) must be an integer "
-                                       f">= 0")
         if not _is_int(self.seed) or self.seed < 0:
             raise TrainConfigError(f"run.seed({self.seed!r}) must be an integer >= 0")
         if self.save_params_every != "auto" and (not _is_int(self.save_params_every)
                                                  or self.save_params_every < 0):
             raise TrainConfigError(f"run.save_params_every({self.save_params_every!r}) must be "
                                    f"auto or an integer >= 0 (0: initial and final parameters only)")
-        if not isinstance(self.rejoin, bool):
-            raise TrainConfigError(f"run.rejoin({self.rejoin!r}) must be true or false")
-        if not _is_real(self.rejoin_backoff_s) or self.rejoin_backoff_s < 0:
-            raise TrainConfigError(f"run.rejoin_backoff_s({self.rejoin_backoff_s!r}) must be a "
-                                   f"number >= 0 (seconds)")
-        if not _is_real(self.shard_timeout_s) or not self.shard_timeout_s > 0:
-            raise TrainConfigError(f"run.shard_timeout_s({self.shard_timeout_s!r}) must be > 0")
         if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node)
                                                or self.gpus_per_node < 1):
             raise TrainConfigError(f"run.gpus_per_node({self.gpus_per_node!r}) must be an "
@@ -186,46 +158,107 @@ class RunConfig:
         if self.time_limit_s is not None and (not _is_real(self.time_limit_s)
                                               or not self.time_limit_s > 0):
             raise TrainConfigError(f"run.time_limit_s({self.time_limit_s!r}) must be > 0 or null")
-        if self.startup_timeout_s is not None and (not _is_real(self.startup_timeout_s)
-                                                   or not self.startup_timeout_s > 0):
-            raise TrainConfigError(f"run.startup_timeout_s({self.startup_timeout_s!r}) must be "
-                                   f"> 0 or null")
         if self.name is not None and (not self.name or "/" in self.name
                                       or self.name in (".", "..")):
             raise TrainConfigError(f"run.name({self.name!r}) must be a plain directory name")
         if not all(isinstance(a, str) for a in self.mpirun_args):
             raise TrainConfigError(f"run.mpirun_args({list(self.mpirun_args)!r}) must be strings")
+
+
+@dataclass
+class WatchdogConfig:
+    """conf/watchdog/default.yaml: the bounded waits on the ranks (docs/faults.md). Every rank
+    beats every ``heartbeat_s``; the launcher SIGKILLs a rank whose heartbeat is older than
+    ``hang_timeout_s`` (null or 0: off) or whose progress stalls (``progress_timeout_s``)."""
+
+    heartbeat_s: float = 1.0               # every rank rewrites ranks/rank{g}.json this often
+    hang_timeout_s: Optional[float] = 5.0  # heartbeat older than this: SIGKILL; null/0: off
+    progress_timeout_s: Any = "auto"       # also kill on no progress outside long phases:
+                                           # auto: max(progress_floor_s, 3 x the median step)
+    progress_floor_s: float = 30.0         # the floor of the auto progress bound
+    shard_timeout_s: float = 60.0          # shard-group collective timeout (a hung peer)
+    startup_timeout_s: Optional[float] = None  # no start-up progress for: failed; null: 65 s
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.shard_timeout_s) or not self.shard_timeout_s > 0:
+            raise TrainConfigError(f"watchdog.shard_timeout_s({self.shard_timeout_s!r}) must be "
+                                   f"> 0")
+        if self.startup_timeout_s is not None and (not _is_real(self.startup_timeout_s)
+                                                   or not self.startup_timeout_s > 0):
+            raise TrainConfigError(f"watchdog.startup_timeout_s({self.startup_timeout_s!r}) "
+                                   f"must be > 0 or null")
         _check_hang_detector(self)
 
 
-def _check_hang_detector(run: "RunConfig") -> None:
+def _check_hang_detector(w: "WatchdogConfig") -> None:
     """The chain of bounded waits (docs/faults.md): the shard-group timeout, which bounds the
     replica-consistency gate, must outlast the longest repair a healthy mate may be waiting in
     (a hung rank elsewhere: detection + ULFM repair)."""
     from recover_hsdp.faults.failstop import gate_bound_s
 
-    if not _is_real(run.heartbeat_s) or not run.heartbeat_s > 0:
-        raise TrainConfigError(f"run.heartbeat_s({run.heartbeat_s!r}) must be > 0")
+    if not _is_real(w.heartbeat_s) or not w.heartbeat_s > 0:
+        raise TrainConfigError(f"watchdog.heartbeat_s({w.heartbeat_s!r}) must be > 0")
     for k in ("hang_timeout_s", "progress_timeout_s"):
-        v = getattr(run, k)
+        v = getattr(w, k)
         if k == "progress_timeout_s" and v == "auto":
             continue
         if v is not None and (not _is_real(v) or v < 0):
-            raise TrainConfigError(f"run.{k}({v!r}) must be >= 0 or null (off)"
+            raise TrainConfigError(f"watchdog.{k}({v!r}) must be >= 0 or null (off)"
                                    + (", or auto" if k == "progress_timeout_s" else ""))
-    if not _is_real(run.progress_floor_s) or not run.progress_floor_s > 0:
-        raise TrainConfigError(f"run.progress_floor_s({run.progress_floor_s!r}) must be > 0 "
+    if not _is_real(w.progress_floor_s) or not w.progress_floor_s > 0:
+        raise TrainConfigError(f"watchdog.progress_floor_s({w.progress_floor_s!r}) must be > 0 "
                                f"(seconds)")
-    if run.hang_timeout_s:
-        if run.hang_timeout_s < 2 * run.heartbeat_s:
-            raise TrainConfigError(f"run.hang_timeout_s({run.hang_timeout_s!r}) must be at least "
-                                   f"2 x run.heartbeat_s({run.heartbeat_s!r})")
-        bound = gate_bound_s(run.hang_timeout_s, run.heartbeat_s)
-        if run.shard_timeout_s <= bound:
+    if w.hang_timeout_s:
+        if w.hang_timeout_s < 2 * w.heartbeat_s:
+            raise TrainConfigError(f"watchdog.hang_timeout_s({w.hang_timeout_s!r}) must be at "
+                                   f"least 2 x watchdog.heartbeat_s({w.heartbeat_s!r})")
+        bound = gate_bound_s(w.hang_timeout_s, w.heartbeat_s)
+        if w.shard_timeout_s <= bound:
             raise TrainConfigError(
-                f"run.shard_timeout_s({run.shard_timeout_s!r}) must exceed {bound:g} s, the "
+                f"watchdog.shard_timeout_s({w.shard_timeout_s!r}) must exceed {bound:g} s, the "
                 f"longest repair a healthy rank may wait for at the gate with "
-                f"run.hang_timeout_s={run.hang_timeout_s!r} (docs/faults.md)")
+                f"watchdog.hang_timeout_s={w.hang_timeout_s!r} (docs/faults.md)")
+
+
+@dataclass
+class CheckpointConfig:
+    """conf/checkpoint/default.yaml: DCP checkpoints of the resilient trainer and resuming from
+    them (docs/checkpoint.md)."""
+
+    interval: int = 0                      # DCP checkpoint every N committed steps; 0: none
+    async_save: bool = True                # dcp.async_save (the step does not wait for the disk)
+    keep: int = 3                          # retention: the newest K complete checkpoints; 0: all
+    keep_every: int = 0                    # also keep every M-th step's checkpoint; 0: none
+    resume: bool = False                   # continue run.output_dir from its newest checkpoint
+
+    def __post_init__(self) -> None:
+        _non_negative_ints("checkpoint", self, ("interval", "keep", "keep_every"))
+        for key in ("async_save", "resume"):
+            if not isinstance(getattr(self, key), bool):
+                raise TrainConfigError(f"checkpoint.{key}({getattr(self, key)!r}) must be true "
+                                       f"or false")
+
+
+@dataclass
+class ElasticConfig:
+    """conf/elastic/default.yaml: what the launcher does when replicas are lost or a start fails
+    (relaunch at full width, rejoin; docs/rejoin.md, docs/faults.md)."""
+
+    min_replicas: int = 0                  # relaunch at full width below this many alive; 0: never
+    max_restarts: int = 3                  # automatic full-width relaunches of one launcher
+    rejoin: bool = False                   # fewer than W alive, no standby left: relaunch at W
+    max_rejoins: int = 3                   # such relaunches; past it the run goes on degraded
+    rejoin_backoff_s: float = 1.0          # wait before the n-th: rejoin_backoff_s * 2**(n-1)
+    start_retries: int = 1                 # a death before the world forms: relaunch this often
+
+    def __post_init__(self) -> None:
+        _non_negative_ints("elastic", self, ("min_replicas", "max_restarts", "max_rejoins",
+                                             "start_retries"))
+        if not isinstance(self.rejoin, bool):
+            raise TrainConfigError(f"elastic.rejoin({self.rejoin!r}) must be true or false")
+        if not _is_real(self.rejoin_backoff_s) or self.rejoin_backoff_s < 0:
+            raise TrainConfigError(f"elastic.rejoin_backoff_s({self.rejoin_backoff_s!r}) must be "
+                                   f"a number >= 0 (seconds)")
 
 
 @dataclass
@@ -289,12 +322,16 @@ class TrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
 
 
 TYPED_GROUPS: Dict[str, type] = {
     "parallel": ParallelConfig, "policy": PolicyConfig, "run": RunConfig,
+    "watchdog": WatchdogConfig, "checkpoint": CheckpointConfig, "elastic": ElasticConfig,
     "optim": OptimConfig, "debug": DebugConfig, "baseline": BaselineConfig,
 }
 ROOT_KEYS: List[str] = [f.name for f in dataclasses.fields(TrainConfig)]

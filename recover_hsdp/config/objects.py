@@ -15,18 +15,22 @@ from recover_hsdp.optim import OptimConfig
 # Helpers for the manager
 # ---------------------------------------------------------------------------------------------
 # From a resolved config (a DictConfig, a plain mapping, or the path of a resolved YAML) to the
-# component objects every per-rank loop builds: the resilient trainer (hsdp/trainer.py), the
+# component objects every per-rank loop builds: the resilient trainer (workers/resilient.py), the
 # plain-FSDP baselines, the torchft peer and the benchmarks all use these four.
 def plain_config(cfg: Any) -> dict:
     """A resolved config as plain Python containers: a DictConfig (interpolations resolved), the
     path of a resolved YAML file (``<run dir>/launcher/config.yaml``) or a mapping."""
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):   # a TrainConfig
+        return dataclasses.asdict(cfg)
     if isinstance(cfg, (str, Path)):
         import yaml
 
+        from recover_hsdp.config.legacy import move_old_keys
+
         with open(cfg) as f:
-            return yaml.safe_load(f)
+            return move_old_keys(yaml.safe_load(f))
     return dict(cfg)
 
 
@@ -39,7 +43,7 @@ def model_config(model: Mapping, vocab: int) -> Any:
     return ModelConfig(**fields).with_vocab(vocab)
 
 
-def data_config(data: Mapping, parallel: Mapping) -> Any:
+def data_config(data: Mapping, parallel: Any) -> Any:
     """The DataConfig of a REPLICA's microbatch source from the ``data`` and ``parallel``
     groups: seq_len = parallel.seq_len, micro_batch_size = parallel.micro_batch_size *
     parallel.shard_size (a replica microbatch holds the rows of all S shard ranks,
@@ -49,8 +53,9 @@ def data_config(data: Mapping, parallel: Mapping) -> Any:
     fields = {k: v for k, v in data.items() if k in DataConfig.__dataclass_fields__}
     if isinstance(fields.get("paths"), list):
         fields["paths"] = tuple(fields["paths"])
-    fields["seq_len"] = int(parallel["seq_len"])
-    fields["micro_batch_size"] = int(parallel["micro_batch_size"]) * int(parallel["shard_size"])
+    par = parallel if isinstance(parallel, Mapping) else dataclasses.asdict(parallel)
+    fields["seq_len"] = int(par["seq_len"])
+    fields["micro_batch_size"] = int(par["micro_batch_size"]) * int(par["shard_size"])
     return DataConfig(**fields)
 
 

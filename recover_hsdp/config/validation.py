@@ -7,17 +7,20 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from recover_hsdp.config.compose import one_line
+from recover_hsdp.config.compose import load_train_config, one_line
 from recover_hsdp.config.groups import (
     CR_LOCATIONS,
     ROOT_KEYS,
     TYPED_GROUPS,
     BaselineConfig,
+    CheckpointConfig,
     DebugConfig,
+    ElasticConfig,
     ParallelConfig,
     PolicyConfig,
     RunConfig,
     TrainConfigError,
+    WatchdogConfig,
     group_keys,
     untyped_groups,
 )
@@ -42,6 +45,9 @@ class CheckedConfig:
     schedule: Any               # the validated FailureSchedule
     vocab_size: int
     baseline: Optional[BaselineConfig] = None
+    watchdog: Optional[WatchdogConfig] = None
+    checkpoint: Optional[CheckpointConfig] = None
+    elastic: Optional[ElasticConfig] = None
 
 
 def _typed(group: str, cls: type, node: Any) -> Any:
@@ -99,12 +105,12 @@ def _check_ranks(par: ParallelConfig, run: RunConfig, world_size: Optional[int])
                                f"{par.world_size} != {world_size} ranks launched")
 
 
-def check_world(cfg: DictConfig, world_size: Optional[int]) -> None:
-    """The worker's check (cheap, no torch): the parallel/run groups are well-formed and the
-    job has exactly replicas * shard_size ranks. Everything else was validated by the launcher
-    that wrote the resolved config."""
-    _check_ranks(_typed("parallel", ParallelConfig, cfg.parallel),
-                 _typed("run", RunConfig, cfg.run), world_size)
+def check_world(cfg: Any, world_size: Optional[int]) -> None:
+    """The worker's check (cheap, no torch): the job has exactly (replicas + standby) *
+    shard_size ranks. ``cfg``: a TrainConfig (or what :func:`load_train_config` takes).
+    Everything else was validated by the launcher that wrote the resolved config."""
+    cfg = load_train_config(cfg)
+    _check_ranks(cfg.parallel, cfg.run, world_size)
 
 
 def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
@@ -190,25 +196,28 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
         raise TrainConfigError(one_line(e)) from None
     _check_baseline(parts["baseline"], policy, failures, schedule)
     for i, e in enumerate(schedule.entries):
-        if getattr(e, "kind", "kill") == "wedge" and not (run.hang_timeout_s
-                                                          and run.progress_timeout_s):
+        wd: WatchdogConfig = parts["watchdog"]
+        if getattr(e, "kind", "kill") == "wedge" and not (wd.hang_timeout_s
+                                                          and wd.progress_timeout_s):
             raise TrainConfigError(
                 f"failures.schedule[{i}].kind(wedge) needs the progress watchdog "
-                f"(run.progress_timeout_s auto or > 0, run.hang_timeout_s > 0): nothing else "
-                f"ends a rank whose main thread is blocked")
+                f"(watchdog.progress_timeout_s auto or > 0, watchdog.hang_timeout_s > 0): "
+                f"nothing else ends a rank whose main thread is blocked")
     if par.standby:   # hot standbys (docs/rejoin.md)
         from recover_hsdp.policy.standby import standby_config_problem
         why = standby_config_problem(par.standby, policy, parts["baseline"].name, run)
         if why:
             raise TrainConfigError(why)
-    if run.rejoin:    # the rejoin policy (docs/rejoin.md)
+    if parts["elastic"].rejoin:    # the rejoin policy (docs/rejoin.md)
         from recover_hsdp.policy.standby import rejoin_config_problem
         why = rejoin_config_problem(policy, parts["baseline"].name)
         if why:
             raise TrainConfigError(why)
     return CheckedConfig(parallel=par, policy=parts["policy"], optim=optim, run=run,
                          debug=parts["debug"], model=model, data=data, failures=failures,
-                         schedule=schedule, vocab_size=vocab, baseline=parts["baseline"])
+                         schedule=schedule, vocab_size=vocab, baseline=parts["baseline"],
+                         watchdog=parts["watchdog"], checkpoint=parts["checkpoint"],
+                         elastic=parts["elastic"])
 
 
 def _check_baseline(baseline: BaselineConfig, policy: str, failures: Any, schedule: Any) -> None:

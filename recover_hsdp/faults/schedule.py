@@ -33,7 +33,7 @@ SOURCE = "failures.schedule"
 _FIELDS = ("step", "replica", "local_rank", "location", "microbatch", "bucket", "kind")
 #: what the rank does at the point: kill = SIGKILL itself; wedge = its main thread blocks
 #: forever while its heartbeat thread beats on (a deadlocked loader, a stuck CUDA sync): only the
-#: launcher's progress judgement (run.progress_timeout_s) can end it
+#: launcher's progress judgement (watchdog.progress_timeout_s) can end it
 KINDS = ("kill", "wedge")
 
 

@@ -34,7 +34,7 @@ from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, p
 
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
-ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": run.rejoin and rejoins left (the launcher)
+ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": elastic.rejoin, rejoins left (the launcher)
 STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
 
 
@@ -373,7 +373,7 @@ def remaining_schedule(schedule, run_dir: str | os.PathLike, start: int):
 
 
 def identity_of(c: Mapping, fingerprint: str) -> dict:
-    """What a resume must keep (checked by the launcher, recover_hsdp/resume.py)."""
+    """What a resume must keep (checked by the launcher, recover_hsdp/launcher/resume.py)."""
     par = c["parallel"]
     W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
     mbs, L = int(par["micro_batch_size"]), int(par["seq_len"])
@@ -390,15 +390,14 @@ class TrainerCheckpointing(ResilientCheckpointer):
 
     @classmethod
     def from_config(cls, mgr, c: Mapping, run_dir: Path, fingerprint: str):
-        run = c["run"]
-        interval = int(run.get("ckpt_interval", 0) or 0)
+        ck, el = c["checkpoint"], c["elastic"]     # the config's groups (recover_hsdp/config)
+        interval = int(ck["interval"])
         resume_from = os.environ.get(ENV_RESUME_FROM) or None
-        min_rep = int(run.get("min_replicas", 0) or 0)
-        if not (interval or resume_from or min_rep or run.get("resume") or run.get("rejoin")):
+        min_rep = int(el["min_replicas"])
+        if not (interval or resume_from or min_rep or ck["resume"] or el["rejoin"]):
             return None
-        self = cls(mgr, run_dir, use_async=bool(run.get("ckpt_async", True)),
-                   keep=int(run.get("keep_checkpoints", 3)),
-                   keep_every=int(run.get("keep_every", 0) or 0),
+        self = cls(mgr, run_dir, use_async=bool(ck["async_save"]), keep=int(ck["keep"]),
+                   keep_every=int(ck["keep_every"]),
                    segment=int(os.environ.get(ENV_SEGMENT, "0") or 0),
                    identity=identity_of(c, fingerprint),
                    log=lambda s: print(f"[rank {mgr.rank}] {s}", flush=True)
@@ -436,10 +435,11 @@ class TrainerCheckpointing(ResilientCheckpointer):
                                      f"{mgr.step}, then exit"), "stop"
         elif self.rejoin and mgr.relaunch_due():      # the rejoin policy (docs/rejoin.md)
             why, self.exit_reason = (f"{n}/{W} replicas alive, no standby left: checkpoint at "
-                                     f"step {mgr.step}, relaunch at full width (run.rejoin)"), \
+                                     f"step {mgr.step}, relaunch at full width (elastic.rejoin)"), \
                 "rejoin"
         elif self.min_replicas and n < self.min_replicas and not (mgr.standby and mgr.cross.pool):
-            why, self.exit_reason = (f"{n} replicas alive < run.min_replicas({self.min_replicas})"
+            why, self.exit_reason = (f"{n} replicas alive < elastic.min_replicas("
+                                     f"{self.min_replicas})"
                                      f": checkpoint at step {mgr.step}, relaunch at full width"), \
                 "min_replicas"
         if why is not None:

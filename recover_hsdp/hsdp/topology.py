@@ -27,8 +27,8 @@ DEFAULT_SHARD_TIMEOUT_S = 60.0
 DEFAULT_STORE_TIMEOUT_S = 120.0
 #: The longest phase an announced long phase (failstop.long_phase) may keep a rank from its
 #: shard-group mates: a synchronous DCP save by the saving replica (optim_state_dict over the
-#: shard group; run.ckpt_async=false, the save before a relaunch, the SIGUSR1 save), bounded by
-#: its own checkpoint group's timeout (hsdp/checkpoint.py uses this constant).
+#: shard group; checkpoint.async_save=false, the save before a relaunch, the SIGUSR1 save),
+#: bounded by its own checkpoint group's timeout (hsdp/checkpoint.py uses this constant).
 CKPT_SAVE_BOUND_S = 300.0
 #: slack over that phase before NCCL's watchdog may judge a healthy mate hung
 PHASE_MARGIN_S = 30.0
@@ -152,7 +152,7 @@ def shard_group_timeout_s(backend: str, shard_timeout_s: float,
     longest announced phase + PHASE_MARGIN_S, since NCCL's watchdog tears a rank down (SIGABRT)
     at this bound: a mate of a rank in a synchronous save must not be killed for waiting. A dead
     NCCL mate is not waited for that long: the launcher's reaper SIGKILLs the still mates of a
-    dead rank after run.hang_timeout_s (launcher/reaper.py)."""
+    dead rank after watchdog.hang_timeout_s (launcher/reaper.py)."""
     t = float(shard_timeout_s)
     return max(t, float(longest_phase_s) + PHASE_MARGIN_S) if backend == "nccl" else t
 

@@ -25,7 +25,7 @@ ENV_SHARD_TIMEOUT = "RECOVER_HSDP_SHARD_TIMEOUT_S"   # = fsdp_hybrid.ENV_SHARD_T
 ENV_OMP = "OMP_NUM_THREADS"
 #: Test seam: "module:function" run by the worker instead of the trainer (default below).
 ENV_WORKER_FN = "RECOVER_HSDP_WORKER_FN"
-DEFAULT_WORKER_FN = "recover_hsdp.hsdp.trainer:run_worker"
+DEFAULT_WORKER_FN = "recover_hsdp.workers.resilient:run_worker"
 
 
 #: The collective components every ULFM launch selects (``--mca coll FT_COLL``): the ones the

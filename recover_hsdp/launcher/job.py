@@ -66,8 +66,10 @@ def holds_run(path: Path) -> bool:
 
 def baseline_name(cfg) -> str:
     """``baseline.name`` of a resolved config; "none" for the resilient trainer."""
-    base = cfg.get("baseline") if hasattr(cfg, "get") else None
-    return str(base.get("name", "none")) if base is not None else "none"
+    base = cfg.get("baseline") if hasattr(cfg, "get") else getattr(cfg, "baseline", None)
+    if base is None:
+        return "none"
+    return str(base.get("name", "none") if hasattr(base, "get") else base.name)
 
 
 def plain_mpirun(cmd: Sequence[str]) -> list[str]:
@@ -98,11 +100,11 @@ def job_env(job: Job, store: str) -> dict[str, str]:
 
     from recover_hsdp.faults.failstop import ENV_HB_PERIOD, ENV_LAUNCH_ID, ENV_RUN_DIR
 
-    run = job.cfg.run
+    run, wd = job.cfg.run, job.cfg.watchdog
     env = rank_env(store, omp_num_threads=int(run.omp_num_threads),
-                   shard_timeout_s=float(run.shard_timeout_s))
+                   shard_timeout_s=float(wd.shard_timeout_s))
     env[ENV_RUN_DIR] = str(job.run_dir.resolve())  # errors/ and ranks/ (heartbeats) go here
     env[ENV_LAUNCH_ID] = uuid.uuid4().hex[:12]     # this launch's heartbeats (startup.EndWatch)
-    if run.get("hang_timeout_s"):
-        env[ENV_HB_PERIOD] = repr(float(run.heartbeat_s))
+    if wd.hang_timeout_s:
+        env[ENV_HB_PERIOD] = repr(float(wd.heartbeat_s))
     return env

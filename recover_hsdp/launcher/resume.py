@@ -1,22 +1,22 @@
 """The relaunch / resume policy of the resilient trainer (issue 14, docs/checkpoint.md; moved
 from recover_hsdp/resume.py, issue 25).
 
-`recover-hsdp train` hands a job here (instead of one plain launch) when run.ckpt_interval > 0,
-run.resume=true or run.min_replicas > 0. One policy decides what happens when a segment (one
-mpirun) ends:
+`recover-hsdp train` hands a job here (instead of one plain launch) when checkpoint.interval
+> 0, checkpoint.resume=true, elastic.min_replicas > 0 or elastic.rejoin=true. One policy decides
+what happens when a segment (one mpirun) ends:
 
     every step committed                  -> done (exit 0)
     a stop request was served             -> exit 4 (EXIT_PREEMPTED): SIGTERM / SIGUSR1 / SIGINT
        (the launcher wrote checkpoints/STOP, the ranks saved at that step and left cleanly)
-    the ranks left for a rejoin (run.rejoin: fewer than W alive, no standby left; their
+    the ranks left for a rejoin (elastic.rejoin: fewer than W alive, no standby left; their
        checkpoint's state.json says exit=rejoin)
-                                          -> after run.rejoin_backoff_s * 2**(n-1), relaunch at
+                                          -> after elastic.rejoin_backoff_s * 2**(n-1), relaunch at
                                              FULL width (W + K standbys) from it, up to
-                                             run.max_rejoins times; the last segment is told
+                                             elastic.max_rejoins times; the last segment is told
                                              "no rejoin left" and goes on degraded
-    otherwise (all replicas lost, alive < run.min_replicas, a crash)
+    otherwise (all replicas lost, alive < elastic.min_replicas, a crash)
                                           -> relaunch at FULL width (this job's shape) from the
-                                             newest complete checkpoint, up to run.max_restarts
+                                             newest complete checkpoint, up to elastic.max_restarts
                                              times; then exit 1
 
 Each launch is a segment: segments.jsonl gets a "start" line before mpirun (shape, resume step,
@@ -44,11 +44,9 @@ from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK,  # n
 
 
 def wants_supervisor(cfg) -> bool:
-    r = cfg.run
-    return baseline_name(cfg) == "none" and (int(r.get("ckpt_interval", 0) or 0) > 0
-                                             or bool(r.get("resume", False))
-                                             or int(r.get("min_replicas", 0) or 0) > 0
-                                             or bool(r.get("rejoin", False)))
+    ck, el = cfg.checkpoint, cfg.elastic
+    return baseline_name(cfg) == "none" and (int(ck.interval) > 0 or bool(ck.resume)
+                                             or int(el.min_replicas) > 0 or bool(el.rejoin))
 
 
 #: optimizer settings a resume may change (a one-line notice; recorded per segment in
@@ -129,14 +127,14 @@ def _segment_optim(cfg) -> dict:
 
 
 def check_resume_dir(cfg, run_dir: Path) -> None:
-    """Before anything starts: run.resume=true needs a complete, compatible checkpoint
+    """Before anything starts: checkpoint.resume=true needs a complete, compatible checkpoint
     (TrainConfigError, one line, exit 2). A broken newer checkpoint is skipped with a warning."""
     from recover_hsdp.config import TrainConfigError
     from recover_hsdp.record.checkpoint import latest_complete
 
     found = latest_complete(run_dir, warn=lambda m: print(f"[{PROG}] warning: {m}", flush=True))
     if found is None:
-        raise TrainConfigError(f"run.resume=true: {run_dir} holds no complete checkpoint "
+        raise TrainConfigError(f"checkpoint.resume=true: {run_dir} holds no complete checkpoint "
                                f"(checkpoints/step_N/COMPLETE); nothing to resume")
     why = check_resume(cfg, found[1], found[0])
     if why:
@@ -170,7 +168,7 @@ def request_stop(run_dir: Path, signame: str) -> int:
                  (json.dumps({"step": target, "signal": signame, "time": time.time()}) + "\n"
                   ).encode())
     print(f"[{PROG}] {signame}: the ranks checkpoint at step {target} and exit "
-          f"(exit code {EXIT_PREEMPTED}; resume with run.resume=true)", flush=True)
+          f"(exit code {EXIT_PREEMPTED}; resume with checkpoint.resume=true)", flush=True)
     return target
 
 
@@ -228,18 +226,19 @@ def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
 
 def _watchers(cfg, run_dir: Path):
     """The launcher's hang watchdog and start-up watch for one segment (both need the ranks'
-    heartbeat, run.hang_timeout_s > 0); the previous segment's heartbeats are cleared first."""
-    if not cfg.run.get("hang_timeout_s"):
+    heartbeat, watchdog.hang_timeout_s > 0); the previous segment's heartbeats are cleared
+    first."""
+    wd = cfg.watchdog
+    if not wd.hang_timeout_s:
         return None, None
     from recover_hsdp.launcher.watchdog import HangWatchdog
     from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
 
     clear_startup_state(run_dir)
-    watchdog = HangWatchdog(run_dir, float(cfg.run.hang_timeout_s), float(cfg.run.heartbeat_s),
-                            cfg.run.get("progress_timeout_s"),
-                            floor_s=float(cfg.run.get("progress_floor_s", 30.0)),
+    watchdog = HangWatchdog(run_dir, float(wd.hang_timeout_s), float(wd.heartbeat_s),
+                            wd.progress_timeout_s, floor_s=float(wd.progress_floor_s),
                             shard_size=int(cfg.parallel.shard_size)).start()
-    return watchdog, StartupWatch(run_dir, int(cfg.run.np), cfg.run.get("startup_timeout_s"))
+    return watchdog, StartupWatch(run_dir, int(cfg.run.np), wd.startup_timeout_s)
 
 
 def end_watch(cfg, run_dir: Path, env: dict):
@@ -248,21 +247,21 @@ def end_watch(cfg, run_dir: Path, env: dict):
     from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
     from recover_hsdp.launcher.startup import EndWatch
 
-    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s),
+    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.watchdog.hang_timeout_s),
                     launch_id=env.get(ENV_LAUNCH_ID))
 
 
 def _rejoin_left(cfg, used: int) -> bool:
-    """run.rejoin and fewer than run.max_rejoins rejoin relaunches used: the next segment's
-    ranks checkpoint and leave for a relaunch when a replica is lost and no standby is left."""
-    r = cfg.run
-    return bool(r.get("rejoin", False)) and used < int(r.get("max_rejoins", 0) or 0)
+    """elastic.rejoin and fewer than elastic.max_rejoins rejoin relaunches used: the next
+    segment's ranks checkpoint and leave for a relaunch when a replica is lost and no standby is
+    left."""
+    el = cfg.elastic
+    return bool(el.rejoin) and used < int(el.max_rejoins)
 
 
 def run_resilient(job) -> JobResult:
     """Launch (and relaunch, and resume) one resilient job; see the module docstring."""
-    from omegaconf import OmegaConf
-
+    from recover_hsdp.config import save_config
     from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
     from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launcher.run import run_job
@@ -274,17 +273,17 @@ def run_resilient(job) -> JobResult:
     cfg, run_dir = job.cfg, job.run_dir
     steps = int(cfg.run.steps)
     res = JobResult(job, "failed", EXIT_FAILED, steps)
-    if cfg.run.overwrite and not cfg.run.resume and holds_run(run_dir):
+    if cfg.run.overwrite and not cfg.checkpoint.resume and holds_run(run_dir):
         shutil.rmtree(run_dir)
 
     def warn(m: str) -> None:
         print(f"[{PROG}] warning: {m}", flush=True)
 
     resume = None
-    if cfg.run.resume:
+    if cfg.checkpoint.resume:
         resume = latest_complete(run_dir, warn=warn)
         if resume is None:
-            print_error(f"run.resume=true: {run_dir} holds no complete checkpoint "
+            print_error(f"checkpoint.resume=true: {run_dir} holds no complete checkpoint "
                         f"(checkpoints/step_N/COMPLETE); nothing to resume")
             res.exit_code, res.note = EXIT_CONFIG, "no checkpoint to resume from"
             return res
@@ -324,7 +323,7 @@ def run_resilient(job) -> JobResult:
                     print(f"[{PROG}] resume at step {start_step}: {moved} step lines past the "
                           f"checkpoint moved to steps/discarded/", flush=True)
             seg_cfg = ldir / (f"config.seg{k}.yaml" if k else "config.yaml")
-            OmegaConf.save(cfg, seg_cfg, resolve=True)
+            save_config(cfg, seg_cfg)
             launch_time = time.time()
             append_segment(run_dir, {
                 "event": "start", "segment": k, "launch_time": launch_time, "reason": reason,
@@ -388,11 +387,11 @@ def run_resilient(job) -> JobResult:
             res.launcher_wall_s = time.monotonic() - t_begin
             if (outcome is not None and outcome.stopped == "startup" and start_w is not None
                     and not start_w.errors_logged()
-                    and start_tries < int(cfg.run.get("start_retries", 1) or 0)):
+                    and start_tries < int(cfg.elastic.start_retries)):
                 start_tries += 1        # a death before the world formed: launch it again
                 print(f"[{PROG}] start-up failed ({outcome.reason}): launching segment {k} "
-                      f"again ({start_tries}/{cfg.run.get('start_retries', 1)} of "
-                      f"run.start_retries)", flush=True)
+                      f"again ({start_tries}/{cfg.elastic.start_retries} of "
+                      f"elastic.start_retries)", flush=True)
                 continue
             if done:
                 res.status, res.exit_code = "ok", EXIT_OK
@@ -405,7 +404,7 @@ def run_resilient(job) -> JobResult:
                 res.status, res.exit_code = ("preempted", EXIT_PREEMPTED) if ok else \
                     ("interrupted", EXIT_FAILED)
                 res.note = (f"stopped on request; checkpoint {got[0] if got else None}: "
-                            f"resume with run.resume=true")
+                            f"resume with checkpoint.resume=true")
                 break
             if outcome is not None and outcome.stopped == "time_limit":
                 res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
@@ -421,8 +420,8 @@ def run_resilient(job) -> JobResult:
                     and resume[1].get("exit") == "rejoin"
                     and int(resume[1].get("segment", -1)) == k):
                 rejoins += 1        # the rejoin policy (docs/rejoin.md): back to full width
-                wait = float(cfg.run.rejoin_backoff_s) * 2 ** (rejoins - 1)
-                reason = (f"rejoin {rejoins}/{cfg.run.max_rejoins} at full width "
+                wait = float(cfg.elastic.rejoin_backoff_s) * 2 ** (rejoins - 1)
+                reason = (f"rejoin {rejoins}/{cfg.elastic.max_rejoins} at full width "
                           f"(W={cfg.parallel.replicas}, back-off {wait:g} s)")
                 print(f"[{PROG}] segment {k} ended with {len(committed)}/{steps} steps committed "
                       f"and fewer than {cfg.parallel.replicas} replicas alive: {reason} from "
@@ -431,14 +430,14 @@ def run_resilient(job) -> JobResult:
                 if "target" in stop:    # a stop request during the back-off: it is saved
                     res.status, res.exit_code = "preempted", EXIT_PREEMPTED
                     res.note = (f"stopped on request during the rejoin back-off; checkpoint "
-                                f"{resume[0]}: resume with run.resume=true")
+                                f"{resume[0]}: resume with checkpoint.resume=true")
                     break
                 continue
-            if restarts >= int(cfg.run.max_restarts) or resume is None:
+            if restarts >= int(cfg.elastic.max_restarts) or resume is None:
                 res.status = "incomplete" if committed else "failed"
                 res.note = (f"segment {k} ended with {len(committed)}/{steps} steps committed; "
                             + ("no complete checkpoint to relaunch from" if resume is None else
-                               f"run.max_restarts({cfg.run.max_restarts}) relaunches used"))
+                               f"elastic.max_restarts({cfg.elastic.max_restarts}) relaunches used"))
                 break
             restarts += 1
             reason = f"relaunch {restarts} at full width"

@@ -19,8 +19,8 @@ from recover_hsdp.policy.layout import PolicyError, advance_layout
 
 def standby_config_problem(standby: int, policy: str, baseline: str, run: Any) -> Optional[str]:
     """Why parallel.standby > 0 cannot run with these settings (one line), or None. Standbys
-    combine with run.ckpt_interval / run.resume / run.min_replicas / run.rejoin (the checkpoint
-    groups are per rank block; only the W active slots' slices are saved; docs/rejoin.md)."""
+    combine with checkpoint.interval / checkpoint.resume / elastic.min_replicas / elastic.rejoin (the
+    checkpoint groups are per rank block; only the W active slots' slices are saved; docs/rejoin.md)."""
     if policy != "static":
         return (f"parallel.standby({standby}) needs policy.name=static (the adaptive policy "
                 f"shrinks B; a join would have to grow it back)")
@@ -30,12 +30,12 @@ def standby_config_problem(standby: int, policy: str, baseline: str, run: Any) -
 
 
 def rejoin_config_problem(policy: str, baseline: str) -> Optional[str]:
-    """Why run.rejoin=true cannot run with these settings (one line), or None."""
+    """Why elastic.rejoin=true cannot run with these settings (one line), or None."""
     if policy != "static":
-        return (f"run.rejoin=true needs policy.name=static (got {policy!r}: the adaptive policy "
+        return (f"elastic.rejoin=true needs policy.name=static (got {policy!r}: the adaptive policy "
                 f"shrinks B, a relaunch at full width would have to grow it back)")
     if baseline != "none":
-        return (f"run.rejoin=true runs only with baseline.name=none (got {baseline!r}: the "
+        return (f"elastic.rejoin=true runs only with baseline.name=none (got {baseline!r}: the "
                 f"baselines restart by their own rules)")
     return None
 

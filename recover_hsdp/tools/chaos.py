@@ -103,7 +103,7 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
     cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", f"parallel.replicas={W}",
            f"parallel.shard_size={S}", f"parallel.grad_accum={args.grad_accum}",
            f"run.steps={steps}", f"run.output_dir={run_dir}", "run.overwrite=true",
-           f"run.hang_timeout_s={args.hang_timeout}", f"run.heartbeat_s={args.heartbeat}",
+           f"watchdog.hang_timeout_s={args.hang_timeout}", f"watchdog.heartbeat_s={args.heartbeat}",
            f"run.seed={i}", *([f"parallel.standby={K}"] if K else []), *SMALL,
            *args.overrides]
     log = open(out / f"run{i:04d}.log", "w")

@@ -136,7 +136,7 @@ class RunSpec:
                 raise VerifyInputError(f"{run_dir}/config.yaml: {name} must be a mapping")
         ignored: list[str] = []
         try:
-            # the trainer (recover_hsdp.hsdp.trainer) builds these from the same sections,
+            # the trainer (recover_hsdp.workers.resilient) builds these from the same sections,
             # keeping only the dataclass fields; parallel.* is the authority for the shape
             data_fields = _known(DataConfig, data_section, "data", ignored)
             if isinstance(data_fields.get("paths"), list):

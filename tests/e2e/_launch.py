@@ -65,7 +65,7 @@ def run_training(cfg: dict, *, timeout: float | None = None,
               "PATH": f"{Path(sys.executable).parent}:{e.get('PATH', '')}"})
     e.update(env or {})
     cmd = mpirun_prefix(n) + ["-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
-                              sys.executable, "-m", "recover_hsdp.hsdp.trainer", str(cfg_path)]
+                              sys.executable, "-m", "recover_hsdp.workers.resilient", str(cfg_path)]
     return run_with_store(cmd, e, timeout=timeout,
                           hung=f"training run timed out after {timeout} s")
 

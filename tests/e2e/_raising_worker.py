@@ -27,6 +27,6 @@ def run_worker(cfg):
             return orig(*a, **k)
 
         M.next_token_loss = bad
-    from recover_hsdp.hsdp.trainer import run_worker as real
+    from recover_hsdp.workers.resilient import run_worker as real
 
     return real(cfg)

@@ -165,7 +165,7 @@ def test_sigstopped_rank_is_detected_and_its_replica_lost(tmp_path, S, seed):
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
                           f"parallel.replicas={W}", f"parallel.shard_size={S}",
                           f"run.steps={steps}", f"run.output_dir={out}",
-                          f"run.hang_timeout_s={STOP_HANG_S:g}", f"run.heartbeat_s={STOP_BEAT_S:g}",
+                          f"watchdog.hang_timeout_s={STOP_HANG_S:g}", f"watchdog.heartbeat_s={STOP_BEAT_S:g}",
                           *SMALL], cwd=tmp_path, env=e, start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stdout, t_stop = stop_while_held(p, gate, at, out, victim, dl)
@@ -187,14 +187,14 @@ def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
     NCCL rank does (a shard collective on a dead peer blocks until the process-group timeout:
     emulated on gloo by RECOVER_HSDP_TEST_SHARD_WEDGE_S, heartbeat beating, no progress). The
     survivors' ULFM repair needs rank 0 (it is alive), so without the launcher's reaper the step
-    would wait the whole wedge (60 s); with it rank 0 is SIGKILLed about run.hang_timeout_s after
+    would wait the whole wedge (60 s); with it rank 0 is SIGKILLed about watchdog.hang_timeout_s after
     the death, the step commits within seconds, every step commits once, verify passes."""
     out = tmp_path / "run"
     sched = tmp_path / "kill.yaml"
     sched.write_text("- {step: 2, replica: 0, local_rank: 1, location: forward, microbatch: 0}\n")
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "run.steps=5",
-             f"run.output_dir={out}", f"failures.schedule={sched}", "run.hang_timeout_s=1",
-             "run.heartbeat_s=0.25", *SMALL, cwd=tmp_path,
+             f"run.output_dir={out}", f"failures.schedule={sched}", "watchdog.hang_timeout_s=1",
+             "watchdog.heartbeat_s=0.25", *SMALL, cwd=tmp_path,
              env={"RECOVER_HSDP_TEST_SHARD_WEDGE_S": "60", "RECOVER_HSDP_ALLOW_TEST_FAULT": "1"})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     fired = json.loads((out / "faults" / "fired.rank1.json").read_text())
@@ -214,7 +214,7 @@ def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
 @pytest.mark.timeout(240)
 def test_cli_default_settings_catch_a_wedged_rank(tmp_path):
     """A scheduled `wedge` (the main thread blocked forever, the heartbeat thread beating on: a
-    deadlocked loader) at DEFAULT settings: run.progress_timeout_s=auto judges it (no progress
+    deadlocked loader) at DEFAULT settings: watchdog.progress_timeout_s=auto judges it (no progress
     for max(30 s, 3 x its median step)), SIGKILLs it, the survivors take over its microbatches;
     every step committed once, verify OK, and its healthy mates (waiting on it in the
     reduction, they stalled later) are not judged."""

@@ -35,7 +35,8 @@ def _cfg(tmp: Path, *, W: int, S: int, G: int = 2, schedule=(), policy="static",
                      if schedule else {"kind": "none"}),
         "optim": {"lr": 0.003, "warmup_steps": 1},
         "run": {"steps": steps, "output_dir": str(tmp / "run"), "seed": 0,
-                "save_params_every": 1, "shard_timeout_s": 30},
+                "save_params_every": 1},
+        "watchdog": {"shard_timeout_s": 30},
         "debug": {"restore_enabled": restore},
     }
 

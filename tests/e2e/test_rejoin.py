@@ -133,8 +133,8 @@ def test_two_cycles_of_one_slot_and_the_sender_dying(tmp_path):
 @pytest.mark.timeout(400)
 def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
     """An idle standby SIGSTOPped from outside (a hang): it stalls the world rounds every step
-    runs until the launcher's watchdog (`recover-hsdp train`, run.heartbeat_s=0.5,
-    run.hang_timeout_s=3) SIGKILLs it, within the bound a replica rank has; then the pool
+    runs until the launcher's watchdog (`recover-hsdp train`, watchdog.heartbeat_s=0.5,
+    watchdog.hang_timeout_s=3) SIGKILLs it, within the bound a replica rank has; then the pool
     shrinks. Every step commits on both replicas, the loss is no replica failure, the standby is
     reported lost (the step's extra.standbys_lost, the summary), verify OK."""
     import os
@@ -156,10 +156,10 @@ def test_sigstopped_standby_is_killed_and_the_pool_shrinks(tmp_path):
     e.pop("RECOVER_HSDP_WORKER_FN", None)
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
                           "parallel.replicas=2", "parallel.standby=1", f"run.steps={steps}",
-                          f"run.output_dir={out}", f"run.heartbeat_s={STOP_BEAT_S:g}",
-                          f"run.hang_timeout_s={STOP_HANG_S:g}",
+                          f"run.output_dir={out}", f"watchdog.heartbeat_s={STOP_BEAT_S:g}",
+                          f"watchdog.hang_timeout_s={STOP_HANG_S:g}",
                           # a loaded CI box may need more than the default 65 s to form the world
-                          "run.startup_timeout_s=240",
+                          "watchdog.startup_timeout_s=240",
                           *SMALL], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     stdout, t_stop = stop_while_held(p, gate, at, out, victim, dl)

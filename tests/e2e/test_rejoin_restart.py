@@ -1,7 +1,7 @@
 """The rejoin policy end to end (issue 15, docs/rejoin.md "The policy"): `recover-hsdp train
-run.rejoin=true` as a user runs it, real SIGKILLs under `mpirun --with-ft ulfm`.
+elastic.rejoin=true` as a user runs it, real SIGKILLs under `mpirun --with-ft ulfm`.
 
-* W=3, no standby, run.max_rejoins=1: replica 1 killed at step 3; the ranks checkpoint before
+* W=3, no standby, elastic.max_rejoins=1: replica 1 killed at step 3; the ranks checkpoint before
   step 4 and leave; the launcher relaunches at W=3 after the back-off; step 4 runs on three
   replicas again. Replica 0 killed at step 5: no rejoin left, the run goes on degraded (W=2).
 * W=3 + 1 standby: the first kill (step 2) is absorbed in place (the standby takes slot 1 before
@@ -33,7 +33,7 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.ffn_dim=160", "parallel.
          "parallel.replicas=3", "parallel.shard_size=1", "parallel.grad_accum=2",
          # a loaded 2-core CI box: the world of 3-4 ranks has taken 60+ s to form (the 65 s
          # default bound then relaunched it); a hang at start-up still fails within the bound
-         "run.startup_timeout_s=240"]
+         "watchdog.startup_timeout_s=240"]
 
 
 def _kills(*entries: tuple[int, int]) -> str:
@@ -55,8 +55,8 @@ def _cli(*args: str, cwd: Path, timeout: float | None = None) -> subprocess.Comp
 
 def _train_and_check(tmp_path: Path, steps: int, *extra: str):
     out = tmp_path / "run"
-    p = _cli("train", f"run.steps={steps}", f"run.output_dir={out}", "run.rejoin=true",
-             "run.rejoin_backoff_s=0.5", *SMALL, *extra, cwd=tmp_path)
+    p = _cli("train", f"run.steps={steps}", f"run.output_dir={out}", "elastic.rejoin=true",
+             "elastic.rejoin_backoff_s=0.5", *SMALL, *extra, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-5000:]
     rec = read_run(out)
     assert sorted(rec.steps) == list(range(steps)), p.stdout[-3000:]
@@ -74,7 +74,7 @@ def _train_and_check(tmp_path: Path, steps: int, *extra: str):
 
 def _rejoins(starts) -> list:
     """(resume step, W, K, reason) of every relaunch; a start-up retry of a launch (a loaded
-    machine, run.start_retries) is not one: it resumes nothing."""
+    machine, elastic.start_retries) is not one: it resumes nothing."""
     return [(g["resume_step"], g["replicas"], g["standby"], g["reason"][:10]) for g in starts
             if g["resume_step"] is not None]
 
@@ -88,7 +88,7 @@ def _full_width_from(rec, first: int) -> None:
 
 def test_rejoin_relaunches_a_lost_replica_at_full_width_then_goes_on_degraded(tmp_path):
     rec, starts, text = _train_and_check(tmp_path, 7, _kills((3, 1), (5, 0)),
-                                         "run.max_rejoins=1")
+                                         "elastic.max_rejoins=1")
     assert "rejoin 1/1 at full width (W=3, back-off 0.5 s)" in text, text[-3000:]
     assert [f["replicas"] for f in rec.steps[3].failures] == [[1]]
     assert rec.steps[3].alive == [0, 2]
@@ -96,14 +96,14 @@ def test_rejoin_relaunches_a_lost_replica_at_full_width_then_goes_on_degraded(tm
     assert _rejoins(starts) == [(4, 3, 0, "rejoin 1/1")]
     assert rec.steps[4].alive == [0, 1, 2] and sorted(rec.steps[4].contributions) == [0, 1, 2]
     assert rec.steps[4].layout["g"] == 2
-    # run.max_rejoins used up: the second loss is absorbed in place and the run goes on degraded
+    # elastic.max_rejoins used up: the second loss is absorbed in place and the run goes on degraded
     assert [f["replicas"] for f in rec.steps[5].failures] == [[0]]
     assert rec.steps[6].alive == [1, 2] and rec.steps[6].layout["g"] == 3
 
 
 def test_standby_first_then_the_relaunch(tmp_path):
     rec, starts, text = _train_and_check(tmp_path, 7, _kills((2, 1), (4, 2)),
-                                         "parallel.standby=1", "run.ckpt_interval=2")
+                                         "parallel.standby=1", "checkpoint.interval=2")
     # the first loss: absorbed in place by the standby (block 3 takes slot 1 before step 3)
     joins = [(j["replica"], j["standby"], j["outcome"])
              for j in (rec.steps[3].extra or {}).get("joins") or ()]

@@ -1,6 +1,6 @@
 """Issue 12: a rank that dies during start-up (before the world forms) is noticed by the launcher
 within seconds (not after the ranks' 60 s store timeout) and the launch is retried once
-(run.start_retries); the relaunched job commits every step. Real processes, time-boxed."""
+(elastic.start_retries); the relaunched job commits every step. Real processes, time-boxed."""
 from __future__ import annotations
 
 import os

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.mpi
 STEPS = 6      # the kill at step 3, the checkpoint at 2: the restart replays steps 2-5
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
         "model.ffn_dim=96", "parallel.seq_len=16", "parallel.micro_batch_size=2",
-        f"run.steps={STEPS}", "run.shard_timeout_s=30"]
+        f"run.steps={STEPS}", "watchdog.shard_timeout_s=30"]
 KILL = "failures.schedule=[{step: 3, replica: 1, local_rank: 0, location: reduce, bucket: 1}]"
 
 

@@ -138,19 +138,19 @@ def interrupted_chain(tmp_path_factory) -> dict:
     job at a known step, so each launch's outcome is exact on any machine:
       launch A (checkpoints only on request): held before step 2, SIGUSR1 to the launcher ->
         STOP at step 1 + 3 = 4: the ranks checkpoint at 4 and leave, exit code 4;
-      launch B (run.resume=true, a checkpoint every 2 steps): held before step 8 (save 8 has
+      launch B (checkpoint.resume=true, a checkpoint every 2 steps): held before step 8 (save 8 has
         finished save 6), the launcher is SIGKILLed with its orphaned mpirun job (as Slurm
         would): checkpoints 4 and 6 complete;
-      launch C (run.resume=true, from 6): held before step 8, every rank SIGKILLed; the launcher
+      launch C (checkpoint.resume=true, from 6): held before step 8, every rank SIGKILLed; the launcher
         relaunches at full width from checkpoint 6 and finishes the run (exit 0)."""
     dl = Deadline(840)                                   # the first test's 900 s ceiling
     tmp = tmp_path_factory.mktemp("chain")
     out = tmp / "run"
     args = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
-            f"run.steps={CHAIN_STEPS}", "run.max_restarts=2", f"run.output_dir={out}", *SMALL]
+            f"run.steps={CHAIN_STEPS}", "elastic.max_restarts=2", f"run.output_dir={out}", *SMALL]
     got: dict = {"out": out}
     gate = TestGate(tmp / "gate_a", hold=[2], ranks=RANKS, timeout_s=300)
-    proc = _start("train", *args, "run.ckpt_interval=100", cwd=tmp, gate=gate)
+    proc = _start("train", *args, "checkpoint.interval=100", cwd=tmp, gate=gate)
     try:
         _held(gate, 2, proc, dl)
         proc.send_signal(signal.SIGUSR1)
@@ -167,7 +167,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
     summary_before = _read(out / "summary.json")
 
     gate = TestGate(tmp / "gate_b", hold=[8], ranks=RANKS, timeout_s=300)
-    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, gate=gate)
+    proc = _start("train", *args, "checkpoint.interval=2", "checkpoint.resume=true", cwd=tmp, gate=gate)
     try:
         _held(gate, 8, proc, dl)
     finally:
@@ -178,7 +178,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
     got["summary_untouched"] = _read(out / "summary.json") == summary_before
 
     gate = TestGate(tmp / "gate_c", hold=[8], ranks=RANKS, timeout_s=300)
-    proc = _start("train", *args, "run.ckpt_interval=2", "run.resume=true", cwd=tmp, gate=gate)
+    proc = _start("train", *args, "checkpoint.interval=2", "checkpoint.resume=true", cwd=tmp, gate=gate)
     try:
         _held(gate, 8, proc, dl)
         workers = _workers(proc.pid)
@@ -203,7 +203,7 @@ def interrupted_chain(tmp_path_factory) -> dict:
 @pytest.mark.timeout(900)
 def test_sigusr1_saves_exits_4_then_resumes(interrupted_chain):
     """SIGUSR1 to the launcher: the ranks checkpoint at an agreed step and leave; exit code 4;
-    run.resume=true continues from that checkpoint (launch B), the run completes (launch C)."""
+    checkpoint.resume=true continues from that checkpoint (launch B), the run completes (launch C)."""
     c = interrupted_chain
     assert c["a_rc"] == 4, c["a_text"][-4000:]
     assert "the ranks checkpoint at step" in c["a_text"], c["a_text"][-4000:]
@@ -216,7 +216,7 @@ def test_sigusr1_saves_exits_4_then_resumes(interrupted_chain):
 @pytest.mark.timeout(900)
 def test_sigkill_launcher_mid_run_then_resume(interrupted_chain):
     """Checkpoint every 2 steps; SIGKILL the launcher mid-run (and its orphaned mpirun job, as
-    Slurm would); run.resume=true finishes: every step committed once, verify OK."""
+    Slurm would); checkpoint.resume=true finishes: every step committed once, verify OK."""
     c = interrupted_chain
     assert c["summary_untouched"], "the SIGKILLed launch wrote summary.json"
     assert "resumed from" in c["c_text"], c["c_text"][-3000:]
@@ -242,12 +242,12 @@ def test_resume_at_another_shape_w4g2_to_w2g4(tmp_path):
     from their cursors, 2 and 3 stay abandoned; verify passes over both segments."""
     dl = Deadline(560)
     out = tmp_path / "run"
-    base = ["parallel.shard_size=1", "run.steps=6", "run.ckpt_interval=2",
+    base = ["parallel.shard_size=1", "run.steps=6", "checkpoint.interval=2",
             f"run.output_dir={out}", *SMALL]
     p = _cli("train", "parallel.replicas=4", "parallel.grad_accum=2", *base, cwd=tmp_path,
              dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
-    p = _cli("train", "parallel.replicas=2", "parallel.grad_accum=4", "run.resume=true", *base,
+    p = _cli("train", "parallel.replicas=2", "parallel.grad_accum=4", "checkpoint.resume=true", *base,
              cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
     rec = _check_one_run(out, 6, tmp_path, dl)["record"]
@@ -279,13 +279,13 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
     out = tmp_path / "run"
     base = ["data=local", f"data.paths=[{corpus}]", "data.streaming=true",
             f"data.tokenizer={ROOT / 'recover_hsdp/data/embedded/tokenizer.model'}",
-            "run.steps=6", "run.ckpt_interval=2", f"run.output_dir={out}",
+            "run.steps=6", "checkpoint.interval=2", f"run.output_dir={out}",
             "parallel.seq_len=32", "run.save_params_every=1", *TINY_MODEL]
     p = _cli("train", "parallel.replicas=2", "parallel.shard_size=2", "parallel.grad_accum=2",
              "parallel.micro_batch_size=1", *base, cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
     p = _cli("train", "parallel.replicas=4", "parallel.shard_size=1", "parallel.grad_accum=1",
-             "parallel.micro_batch_size=2", "run.resume=true", *base, cwd=tmp_path, dl=dl)
+             "parallel.micro_batch_size=2", "checkpoint.resume=true", *base, cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
     assert "resumed from" in p.stdout and "step 4" in p.stdout, p.stdout[-3000:]
     rec = _check_one_run(out, 6, tmp_path, dl)["record"]
@@ -311,14 +311,14 @@ def test_resume_wider_than_first_launch_2x2_to_4x1(tmp_path):
 
 
 def test_retention_keeps_the_newest_k_and_every_mth_within_the_disk_formula(tmp_path):
-    """run.keep_checkpoints=3, run.keep_every=5, a checkpoint before every step of 12: the
+    """checkpoint.keep=3, checkpoint.keep_every=5, a checkpoint before every step of 12: the
     saves are steps 1-11, and exactly {5, 10} plus the newest three {9, 10, 11} remain;
     summary.json reports the disk, within docs/checkpoint.md's bound (K + floor(T / M) + 2)
     checkpoints of the largest size seen."""
     dl = Deadline(300)
     out = tmp_path / "run"
     p = _cli("train", *SMALL, "parallel.replicas=2", "parallel.shard_size=1", "run.steps=12",
-             "run.ckpt_interval=1", "run.keep_checkpoints=3", "run.keep_every=5",
+             "checkpoint.interval=1", "checkpoint.keep=3", "checkpoint.keep_every=5",
              f"run.output_dir={out}", cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
     assert _complete(out) == [5, 9, 10, 11], _complete(out)
@@ -340,11 +340,11 @@ def test_resume_longer_with_a_new_lr_verifies_as_one_run(tmp_path):
     the segment's lr edited back fails verify at the resume step."""
     dl = Deadline(420)
     out = tmp_path / "run"
-    base = [*SMALL, "parallel.replicas=2", "parallel.shard_size=1", "run.ckpt_interval=2",
+    base = [*SMALL, "parallel.replicas=2", "parallel.shard_size=1", "checkpoint.interval=2",
             "optim.warmup_steps=1", f"run.output_dir={out}"]
     p = _cli("train", *base, "run.steps=6", cwd=tmp_path, dl=dl)
     assert p.returncode == 0 and _complete(out) == [2, 4], (_complete(out), p.stdout[-3000:])
-    p = _cli("train", *base, "run.steps=10", "optim.lr=0.0005", "run.resume=true",
+    p = _cli("train", *base, "run.steps=10", "optim.lr=0.0005", "checkpoint.resume=true",
              cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
     assert "resume at step 4 with changes: run.steps: 6 -> 10" in p.stdout, p.stdout[-3000:]

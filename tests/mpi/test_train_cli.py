@@ -1,4 +1,4 @@
-"""`recover-hsdp train` end to end with the real trainer (recover_hsdp.hsdp.trainer.run_worker).
+"""`recover-hsdp train` end to end with the real trainer (recover_hsdp.workers.resilient.run_worker).
 
 Each test is the command a user types: the CLI composes and validates the config, hosts the
 store, launches `mpirun --with-ft ulfm`, and judges the run from its directory; the run must then
@@ -35,7 +35,7 @@ def _cli(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_trainer_is_present():
-    from recover_hsdp.hsdp.trainer import run_worker  # noqa: F401 - fails if it is missing
+    from recover_hsdp.workers.resilient import run_worker  # noqa: F401 - fails if it is missing
 
 
 def _summary(run_dir: Path) -> dict:

@@ -1,6 +1,6 @@
 """`recover-hsdp train -m`: a real sweep of two combinations (project issue 6).
 
-Two REAL jobs, one after the other (the real trainer, recover_hsdp.hsdp.trainer.run_worker, under
+Two REAL jobs, one after the other (the real trainer, recover_hsdp.workers.resilient.run_worker, under
 `mpirun --with-ft ulfm`): parallel.replicas=1 (1 rank) and parallel.replicas=2 (2 ranks), each
 in its own run directory `<run.output_dir>/<i>_<swept overrides>` (docs/cli.md, "Sweeps"). Both
 must commit every step, record the right replica count, print the sweep table, exit 0, and pass

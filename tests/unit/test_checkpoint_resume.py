@@ -158,7 +158,7 @@ SMALL = ["parallel.seq_len=32", "parallel.micro_batch_size=2"]
 def test_resume_without_checkpoint_is_one_line_exit_2(tmp_path):
     out = tmp_path / "run"
     (out / "steps").mkdir(parents=True)
-    p = _cli("train", "run.resume=true", f"run.output_dir={out}", *SMALL, cwd=tmp_path)
+    p = _cli("train", "checkpoint.resume=true", f"run.output_dir={out}", *SMALL, cwd=tmp_path)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     err = [ln for ln in p.stderr.splitlines() if "error" in ln]
     assert len(err) == 1 and "no complete checkpoint" in err[0]
@@ -179,7 +179,7 @@ def test_resume_that_changes_b_tokens_or_model_is_one_line_exit_2(tmp_path, over
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     _fake_ckpt(out, 4, model=model, optim=optim, steps=20, run_seed=0)
     p = _cli("train", "run.resume=true", "run.steps=20", f"run.output_dir={out}", *SMALL,
-             override, cwd=tmp_path)
+             override, cwd=tmp_path)    # the old key (run.resume) still works
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     err = [ln for ln in p.stderr.splitlines() if "error" in ln]
     assert len(err) == 1 and needle in err[0], p.stderr

@@ -201,16 +201,16 @@ def test_heartbeat_thread_beats(tmp_path):
 
 
 def test_gate_bound_and_config():
-    from recover_hsdp.config import RunConfig, TrainConfigError
+    from recover_hsdp.config import TrainConfigError, WatchdogConfig
 
     assert fs.gate_bound_s(5, 1) == 5 + 1 + fs.WATCH_POLL_S + fs.REPAIR_MARGIN_S
-    RunConfig()  # defaults are consistent: 60 > 11.5
-    RunConfig(hang_timeout_s=1.0, heartbeat_s=0.25, shard_timeout_s=10)
-    with pytest.raises(TrainConfigError, match="run.shard_timeout_s.*must exceed"):
-        RunConfig(shard_timeout_s=10)
+    WatchdogConfig()  # defaults are consistent: 60 > 11.5
+    WatchdogConfig(hang_timeout_s=1.0, heartbeat_s=0.25, shard_timeout_s=10)
+    with pytest.raises(TrainConfigError, match="watchdog.shard_timeout_s.*must exceed"):
+        WatchdogConfig(shard_timeout_s=10)
     with pytest.raises(TrainConfigError, match="hang_timeout_s"):
-        RunConfig(hang_timeout_s=1.0, heartbeat_s=1.0)
-    RunConfig(hang_timeout_s=None, shard_timeout_s=1)  # detector off: no bound to respect
+        WatchdogConfig(hang_timeout_s=1.0, heartbeat_s=1.0)
+    WatchdogConfig(hang_timeout_s=None, shard_timeout_s=1)  # detector off: no bound to respect
 
 
 def test_reconcile_summary_with_the_dying_ranks_marker(tmp_path):
@@ -258,7 +258,7 @@ def _fake(tmp_path, g, pid, **kw) -> float:
 
 
 def test_auto_progress_bound_phases_and_the_oldest_stall_first(tmp_path):
-    """run.progress_timeout_s=auto: bound max(floor, 3 x the rank's median step); the heartbeat
+    """watchdog.progress_timeout_s=auto: bound max(floor, 3 x the rank's median step); the heartbeat
     starts inside "start-up" (not judged before its bound); an announced phase is not judged
     within its bound and is past it; of two stalled ranks only the OLDEST stall is judged, and
     the other not within the grace that follows (a mate waiting on a wedged rank)."""

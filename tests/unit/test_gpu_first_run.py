@@ -31,7 +31,7 @@ def fake_cuda(monkeypatch):
 # --- item 1: one mapping for local_device and rank_device ------------------------------------
 def test_local_device_wraps_the_local_rank_over_the_visible_gpus(fake_cuda, monkeypatch):
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.hsdp.trainer import rank_device
+    from recover_hsdp.workers.resilient import rank_device
 
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
     # one visible GPU (a one-GPU machine, or CUDA_VISIBLE_DEVICES binding): cuda:0, not cuda:3
@@ -49,7 +49,7 @@ def test_local_device_wraps_the_local_rank_over_the_visible_gpus(fake_cuda, monk
 # --- item 3: the backend follows the rank's device; --cpu means CPU everywhere ---------------
 def test_cpu_device_on_a_gpu_machine_means_gloo_shard_groups(fake_cuda, monkeypatch):
     from recover_hsdp.hsdp import topology
-    from recover_hsdp.hsdp.trainer import rank_device
+    from recover_hsdp.workers.resilient import rank_device
 
     fake_cuda["n"] = 4
     made = []
@@ -83,7 +83,7 @@ def test_bench_gpu_cpu_passes_run_device_cpu_to_every_run(fake_cuda, tmp_path):
 
 
 def test_run_device_cuda_without_cuda_is_one_clear_error(monkeypatch):
-    from recover_hsdp.hsdp.trainer import rank_device
+    from recover_hsdp.workers.resilient import rank_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert rank_device(None, 1) is None
@@ -170,7 +170,7 @@ def _gather(monkeypatch, uuids):
 
 def test_per_rank_gpu_binding_allows_s2_and_a_shared_gpu_is_refused(fake_cuda, monkeypatch):
     from recover_hsdp.hsdp import topology
-    from recover_hsdp.hsdp.trainer import rank_device
+    from recover_hsdp.workers.resilient import rank_device
 
     class Props:
         def __init__(self, uuid):

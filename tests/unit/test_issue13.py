@@ -111,7 +111,7 @@ class _Mgr:
 
 def test_param_snapshots_copy_only_the_due_steps(tmp_path, monkeypatch):
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.hsdp.trainer import ParamSnapshots
+    from recover_hsdp.workers.resilient import ParamSnapshots
     from recover_hsdp.record import RunRecorder
 
     flat = [torch.arange(6, dtype=torch.float32), torch.ones(3)]
@@ -134,7 +134,7 @@ def test_param_snapshots_copy_only_the_due_steps(tmp_path, monkeypatch):
 
 def test_rank_device_and_mixed_precision_resolution():
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
-    from recover_hsdp.hsdp.trainer import rank_device
+    from recover_hsdp.workers.resilient import rank_device
 
     if not torch.cuda.is_available():
         assert rank_device(None, 2) is None
@@ -191,7 +191,7 @@ def test_llama_optimizer_settings_bring_the_loss_down_on_a_small_llama():
     import yaml
 
     from recover_hsdp.data import DataConfig, build_microbatch_source, load_tokenizer
-    from recover_hsdp.hsdp.trainer import _model_config
+    from recover_hsdp.config import model_config as _model_config
     from recover_hsdp.model import build_model, next_token_loss
     from recover_hsdp.optim import build_optimizer, lr_at, set_lr
 

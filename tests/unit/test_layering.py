@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("recover_hsdp.hsdp",),                        # FSDP plumbing, agreement, the manager
     ("recover_hsdp.launcher.store",),              # the store host: config validates it
     ("recover_hsdp.config",),                      # compose, resolve, validate; config -> objects
-    ("recover_hsdp.hsdp.trainer",),                # the per-rank worker (workers/, to come)
+    ("recover_hsdp.workers",),                     # the per-rank entry points: config + hsdp
     ("recover_hsdp.launcher",),                    # the supervisor: everything outside the ranks
     ("recover_hsdp.baselines", "recover_hsdp.verify", "recover_hsdp.sim"),
     ("recover_hsdp.train",),                       # `recover-hsdp train`
@@ -349,8 +349,8 @@ def test_planted_upward_import_is_caught(tree):
 
 
 def test_planted_private_import_is_caught(tree):
-    _plant(tree, "baselines/plain_worker.py", "from recover_hsdp.hsdp.trainer import _plain")
-    assert any("_plain" in b for b in private_cross_imports(tree))
+    _plant(tree, "tools/report.py", "from recover_hsdp.workers.resilient import _is_logger")
+    assert any("_is_logger" in b for b in private_cross_imports(tree))
 
 
 def test_planted_circle_is_caught(tree):

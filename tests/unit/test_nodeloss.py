@@ -92,7 +92,7 @@ def test_launcher_relaunch_config(tmp_path):
     hosts.write_text("rn1 slots=4\nrn2 slots=4\n")
     cfg = resolve_config(compose_config([
         "parallel.replicas=4", "parallel.shard_size=2", "parallel.grad_accum=2",
-        "run.ckpt_interval=5", f"run.mpirun_args=[--hostfile,{hosts},--map-by,ppr:4:node]"]),
+        "checkpoint.interval=5", f"run.mpirun_args=[--hostfile,{hosts},--map-by,ppr:4:node]"]),
         cwd=tmp_path)
     new, msg = node_loss_config(cfg, "step 7\n" + PRTE, tmp_path, 0)
     assert msg == "node rn2 lost (PRTE lost a daemon): relaunch without it at W'=2 x G'=4 (B=8)", msg

@@ -42,10 +42,11 @@ def test_standby_is_off_by_default_and_launches_extra_ranks():
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.standby=-1"], "parallel.standby(-1) must be an integer >= 0"),
     (["parallel.standby=1", "policy=adaptive"], "parallel.standby(1) needs policy.name=static"),
-    (["run.rejoin=true", "policy=adaptive"], "run.rejoin=true needs policy.name=static"),
-    (["run.rejoin=true", "baseline=checkpoint_restart"], "run.rejoin=true runs only with"),
-    (["run.max_rejoins=-1"], "run.max_rejoins(-1) must be an integer >= 0"),
-    (["run.rejoin_backoff_s=-2"], "must be a number >= 0 (seconds)"),
+    (["elastic.rejoin=true", "policy=adaptive"], "elastic.rejoin=true needs policy.name=static"),
+    (["elastic.rejoin=true", "baseline=checkpoint_restart"], "elastic.rejoin=true runs only with"),
+    (["elastic.max_rejoins=-1"], "elastic.max_rejoins(-1) must be an integer >= 0"),
+    (["run.max_rejoins=-1"], "elastic.max_rejoins(-1) must be an integer >= 0"),   # the old key
+    (["elastic.rejoin_backoff_s=-2"], "must be a number >= 0 (seconds)"),
 ])
 def test_standby_config_errors_are_one_line(overrides, message):
     with pytest.raises(TrainConfigError) as info:
@@ -55,10 +56,11 @@ def test_standby_config_errors_are_one_line(overrides, message):
 
 def test_standby_combines_with_checkpoints_and_the_rejoin_relaunch():
     # one policy (docs/rejoin.md): standbys first, then the checkpoint + full-width relaunch
-    cfg = resolved("parallel.replicas=3", "parallel.standby=1", "run.ckpt_interval=2",
-                   "run.min_replicas=1", "run.rejoin=true", "run.max_rejoins=2")
+    cfg = resolved("parallel.replicas=3", "parallel.standby=1", "checkpoint.interval=2",
+                   "elastic.min_replicas=1", "elastic.rejoin=true", "elastic.max_rejoins=2")
     validate(cfg)
-    assert cfg.run.rejoin is True and cfg.run.max_rejoins == 2 and cfg.run.rejoin_backoff_s == 1.0
+    el = cfg.elastic
+    assert el.rejoin is True and el.max_rejoins == 2 and el.rejoin_backoff_s == 1.0
 
 
 # ---- policy + data ----------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def test_relaunch_due_only_when_no_standby_is_left_and_the_launcher_counts_rejoi
     assert not due(mgr([0, 1, 2])) and due(mgr([0, 2]))
     assert not due(mgr([0, 2], standby=1, pool=[3]))    # a standby takes the slot in place
     assert due(mgr([0, 2], standby=1, pool=[]))          # pool used up: relaunch
-    cfg = resolved("run.rejoin=true", "run.max_rejoins=2")
+    cfg = resolved("elastic.rejoin=true", "elastic.max_rejoins=2")
     assert wants_supervisor(cfg) and [_rejoin_left(cfg, n) for n in range(4)] == [
         True, True, False, False]
     assert not _rejoin_left(resolved(), 0) and not wants_supervisor(resolved())

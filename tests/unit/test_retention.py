@@ -64,9 +64,9 @@ def test_a_deletion_killed_half_way_leaves_every_kept_checkpoint_usable(tmp_path
 
 
 def test_keep_keys_are_checked(tmp_path):
-    from recover_hsdp.config.groups import RunConfig, TrainConfigError
+    from recover_hsdp.config.groups import CheckpointConfig, TrainConfigError
 
-    assert RunConfig().keep_checkpoints == 3 and RunConfig().keep_every == 0
-    for key in ("keep_checkpoints", "keep_every"):
-        with pytest.raises(TrainConfigError, match=f"run.{key}"):
-            RunConfig(**{key: -1})
+    assert CheckpointConfig().keep == 3 and CheckpointConfig().keep_every == 0
+    for key in ("keep", "keep_every"):
+        with pytest.raises(TrainConfigError, match=f"checkpoint.{key}"):
+            CheckpointConfig(**{key: -1})

@@ -222,7 +222,7 @@ def test_real_resilient_run_with_one_kill(tmp_path, deadline):
     p = _procs.run([sys.executable, "-m", "recover_hsdp.cli", "train", "run.steps=3",
                     "failures.schedule=kills.yaml", f"run.output_dir={out}",
                     "parallel.seq_len=32", "parallel.micro_batch_size=2",
-                    "run.save_params_every=0", "run.shard_timeout_s=30"],
+                    "run.save_params_every=0", "watchdog.shard_timeout_s=30"],
                    cwd=tmp_path, env=env, capture_output=True, text=True,
                    timeout=deadline.left())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

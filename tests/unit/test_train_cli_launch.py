@@ -1,7 +1,7 @@
 """`recover-hsdp train` launcher end to end under real mpirun, with a FAKE worker.
 
 The fake (``fake_worker`` below, selected with RECOVER_HSDP_WORKER_FN) stands in for
-``recover_hsdp.hsdp.trainer.run_worker``: it checks what a rank is given (the resolved config,
+``recover_hsdp.workers.resilient.run_worker``: it checks what a rank is given (the resolved config,
 RECOVER_HSDP_STORE reachable, OMP_NUM_THREADS, the world size) and writes a run directory with
 the record API, so the launcher's whole path is tested without the trainer: config file, store,
 mpirun line, output streaming, judging success from the run directory, sweep table, time limit,
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.mpi
 
 def fake_worker(cfg) -> int:
     """What a rank of the real trainer leaves behind, minus the training."""
-    from omegaconf import OmegaConf
+    import dataclasses
 
     from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
 
@@ -39,7 +39,7 @@ def fake_worker(cfg) -> int:
     par, run = cfg.parallel, cfg.run
     assert world == par.replicas * par.shard_size
     assert os.environ["OMP_NUM_THREADS"] == str(run.omp_num_threads)
-    assert float(os.environ["RECOVER_HSDP_SHARD_TIMEOUT_S"]) == run.shard_timeout_s
+    assert float(os.environ["RECOVER_HSDP_SHARD_TIMEOUT_S"]) == cfg.watchdog.shard_timeout_s
     store_ok = None
     if os.environ.get("FAKE_CHECK_STORE"):
         from datetime import timedelta
@@ -60,7 +60,7 @@ def fake_worker(cfg) -> int:
     S, B = par.shard_size, par.replicas * par.grad_accum
     rec = RunRecorder(run.output_dir, rank, rank // S, rank % S, params_every=0, fsync=False)
     rec.start({"w_init": par.replicas, "g_init": par.grad_accum, "B": B, "shard_size": S},
-              OmegaConf.to_container(cfg, resolve=True))
+              dataclasses.asdict(cfg))   # the worker gets the TrainConfig dataclasses
     tokens = B * par.micro_batch_size * S * par.seq_len
     for step in range(steps):
         contributions = {r: [step * B + r * par.grad_accum + m for m in range(par.grad_accum)]

@@ -5,7 +5,8 @@ import os
 
 def run_worker(cfg):
     import recover_hsdp.model as model
-    from recover_hsdp.hsdp.trainer import _plain, run_worker as real
+    from recover_hsdp.config import plain_config as _plain
+    from recover_hsdp.workers.resilient import run_worker as real
 
     c = _plain(cfg)
     G = int(c["parallel"]["grad_accum"])

@@ -16,76 +16,56 @@ from typing import Any, Mapping
 
 import torch
 
-from recover_hsdp.config import data_config, model_config, optim_config, plain_config
-
-
-# the config-to-object helpers are public in recover_hsdp.config; the old private names stay
-# importable here for code written against them
-_plain, _model_config, _data_config, _optim_config = (
-    plain_config, model_config, data_config, optim_config)
+from recover_hsdp.config import config_dict
+from recover_hsdp.workers.build import RankBuild
 
 
 def run_worker(cfg: Any) -> int:
-    """Train per the resolved config on this MPI rank. Returns 0 when every step committed."""
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
+    """Train per the resolved config on this MPI rank. Returns 0 when every step committed.
+
+    ``cfg``: the TrainConfig the launcher validated (or its file, or a DictConfig over it)."""
     from recover_hsdp.faults import FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
-    from recover_hsdp.optim import NonFiniteGradError, build_optimizer, lr_at
-    from recover_hsdp.record import RunRecorder, RunSummary, StepRecord
+    from recover_hsdp.model import fsdp_wrap_policy
+    from recover_hsdp.optim import NonFiniteGradError
+    from recover_hsdp.record import RunSummary, StepRecord
 
-    c = plain_config(cfg)
-    par, run = c["parallel"], c["run"]
-    W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
-    steps = int(run["steps"])
-    seed = int(run.get("seed", 0))
-    run_dir = Path(run["output_dir"])
+    b = RankBuild.from_config(cfg)  # tokenizer, model, optimizer, data, loss, recorder
+    cfg = b.cfg
+    c = config_dict(cfg)            # what the run directory's config.yaml records
+    par, run = cfg.parallel, cfg.run
+    W, S, G = par.replicas, par.shard_size, par.grad_accum
+    steps, seed = run.steps, run.seed
+    run_dir = b.run_dir
     from recover_hsdp.faults import failstop
     from recover_hsdp.hsdp.topology import CKPT_SAVE_BOUND_S
 
     failstop.configure(run_dir)  # errors/rank{g}.json + traceback before a fail-stop
-    torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
+    torch.set_num_threads(run.omp_num_threads)
 
-    data_cfg = data_config(c["data"], par)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = model_config(c["model"], tok.vocab_size)
-    optim_cfg = optim_config(c.get("optim", {}), steps)
-    model = build_model(model_cfg, seed=seed)
-    sources: dict[int, Any] = {}
-    w0 = _source_width(W)       # issue 14: sources by INITIAL slice (a resume may change W)
+    model = b.model()
+    w0 = _source_width(W)       # sources by INITIAL slice (a resume may change W)
 
-    def microbatch_fn(replica: int, mb_id: int):
-        s = mb_id % w0
-        if s not in sources:
-            sources[s] = build_microbatch_source(data_cfg, s, w0)
-        return sources[s].get(mb_id)
-
-    tpm = int(par["micro_batch_size"]) * int(par["seq_len"])  # tokens of this rank's rows
-
-    def loss_fn(module, x, y):
-        return next_token_loss(module(x), y, tokens_per_microbatch=tpm)
-
-    device = rank_device(run.get("gpus_per_node"), S, run.get("device") or "auto")
+    device = rank_device(run.gpus_per_node, S, run.device)
     mgr = HSDPULFMTrainingManager(
-        model, optimizer_factory=lambda m: build_optimizer(m.named_parameters(), optim_cfg),
-        microbatch_fn=microbatch_fn, loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
-        auto_wrap_policy=fsdp_wrap_policy(), policy=str(c.get("policy", {}).get("name", "static")),
-        lr_fn=lambda step: lr_at(step, optim_cfg),
-        restore_enabled=bool(c.get("debug", {}).get("restore_enabled", True)),
-        shard_timeout_s=run.get("shard_timeout_s"), device=device,
-        mixed_precision=str(par.get("mixed_precision") or "auto"),
-        grad_clip=optim_cfg.clip, max_skipped_steps=optim_cfg.max_skipped_steps,
-        standby=int(par.get("standby") or 0))
+        model, optimizer_factory=b.optimizer_factory,
+        microbatch_fn=b.microbatch_fn(w0), loss_fn=b.loss_fn, replicas=W, shard_size=S,
+        grad_accum=G, auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name,
+        lr_fn=b.lr_fn,
+        restore_enabled=cfg.debug.restore_enabled,
+        shard_timeout_s=cfg.watchdog.shard_timeout_s, device=device,
+        mixed_precision=par.mixed_precision,
+        grad_clip=b.optim.clip, max_skipped_steps=b.optim.max_skipped_steps,
+        standby=par.standby)
     n_buckets = len(fh.grad_shard_names(mgr.module))
-    schedule = FailuresConfig.from_mapping(c.get("failures")).build(
+    schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
     from recover_hsdp.record.params import snapshot_every
 
     shard_bytes = sum(t.numel() * t.element_size() for t in fh.local_flat_shards(mgr.module))
-    every = snapshot_every(run.get("save_params_every", "auto"), shard_bytes)
-    recorder = RunRecorder(run_dir, mgr.rank, mgr.replica, mgr.shard_index,
-                           params_every=every or 10**9, final_step=steps - 1)
+    every = snapshot_every(run.save_params_every, shard_bytes)
+    recorder = b.recorder(mgr.rank, mgr.replica, mgr.shard_index, params_every=every)
     mgr.set_failure_schedule(schedule, before_kill=recorder.fault_fired)
     # meta.json must be byte-identical on every rank: describe the layout as seen by shard 0
     # (flat_shard_from_full derives any shard j from padded_numel and shard_size)
@@ -95,20 +75,19 @@ def run_worker(cfg: Any) -> int:
         d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
         layout.append(d)
     fp_slice = 0 if mgr.is_standby else mgr.replica % w0   # a standby has no slice until promoted
-    sources[fp_slice] = sources.get(fp_slice) or build_microbatch_source(data_cfg, fp_slice, w0)
-    fingerprint = sources[fp_slice].fingerprint
+    fingerprint = b.source(fp_slice, w0).fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
-            "policy": str(c.get("policy", {}).get("name", "static")),
+            "policy": cfg.policy.name,
             "restore_enabled": mgr.restore_enabled, "save_params_every": every, "processes_per_replica": S,
             **({"standby": mgr.standby} if mgr.standby else {}),   # idle standby replicas
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
             else "custom", "device": mgr.device.type,
             "deterministic": mgr.deterministic,   # False: verify's nondeterministic tolerance
-            "mode": "drop_and_go" if meta_policy(c) == "adaptive" else "resilient"}
+            "mode": "drop_and_go" if cfg.policy.name == "adaptive" else "resilient"}
     snaps = ParamSnapshots(mgr, recorder)
     mgr.before_optimizer_step = snaps.before_optimizer_step
-    ck = _ckpt_setup(mgr, c, run_dir, fingerprint)                 # issue 14: None when off
+    ck = _ckpt_setup(mgr, c, run_dir, fingerprint)                 # None when off
     if ck is not None and ck.resumed is not None:
         recorder.resume_segment(ck.segment)
         if not ck.params_comparable():      # another S than meta.json's: no snapshots to compare
@@ -123,7 +102,7 @@ def run_worker(cfg: Any) -> int:
         recorder.close()
         failstop.mark_done()
         os._exit(0)
-    log_every = int(run.get("log_every", 1) or 1)
+    log_every = run.log_every
     t_start = time.perf_counter()
     tokens = 0
     last = None
@@ -211,7 +190,7 @@ def run_worker(cfg: Any) -> int:
 
 
 def _ckpt_setup(mgr, c: Mapping, run_dir: Path, fingerprint: str):
-    """Checkpointing of this segment (issue 14; recover_hsdp/hsdp/checkpoint.py), or None."""
+    """Checkpointing of this segment (recover_hsdp/hsdp/checkpoint.py), or None."""
     from recover_hsdp.hsdp.checkpoint import TrainerCheckpointing
 
     return TrainerCheckpointing.from_config(mgr, c, run_dir, fingerprint)
@@ -229,10 +208,6 @@ def _ckpt_schedule(schedule, run_dir: Path, start: int):
     from recover_hsdp.hsdp.checkpoint import remaining_schedule
 
     return remaining_schedule(schedule, run_dir, start)
-
-
-def meta_policy(c: Mapping) -> str:
-    return str(c.get("policy", {}).get("name", "static"))
 
 
 def step_resources() -> dict:
@@ -383,9 +358,9 @@ def _is_logger(mgr) -> bool:
     return mgr.replica == min(mgr.policy.alive) and mgr.shard_index == 0
 
 
-if __name__ == "__main__":  # mpirun ... python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml
+if __name__ == "__main__":  # mpirun ... python -m recover_hsdp.workers.resilient CONFIG.yaml
     if len(sys.argv) != 2:
-        print("usage: python -m recover_hsdp.hsdp.trainer RESOLVED_CONFIG.yaml", file=sys.stderr)
+        print("usage: python -m recover_hsdp.workers.resilient RESOLVED_CONFIG.yaml", file=sys.stderr)
         sys.exit(2)
     from recover_hsdp.faults import failstop
 

@@ -2,7 +2,7 @@
 
 Started by mpirun (WITHOUT ``--with-ft ulfm``), one process per rank, through
 ``python -m recover_hsdp.train --worker FILE`` when ``baseline.name`` is ``reference`` or
-``checkpoint_restart``. What it shares with the resilient trainer (recover_hsdp/hsdp/trainer.py),
+``checkpoint_restart``. What it shares with the resilient trainer (recover_hsdp/workers/resilient.py),
 so that a failure-free resilient run and this loop compute the same steps:
 
 * model: ``build_model(model_cfg, seed=run.seed)``, wrapped per decoder block
@@ -55,8 +55,18 @@ from typing import Any
 
 import torch
 
-from recover_hsdp.baselines import (CKPT_DIR, ENV_ATTEMPT, MODE_CHECKPOINT_RESTART,
-                                    MODE_REFERENCE, attempt_dir)
+from recover_hsdp.record.timeline_base import ATTEMPTS_DIR   # <run dir>/attempts, as read back
+
+MODE_REFERENCE = "reference"
+MODE_CHECKPOINT_RESTART = "checkpoint_restart"
+ENV_ATTEMPT = "RECOVER_HSDP_ATTEMPT"   # the launcher's attempt number (checkpoint_restart)
+CKPT_DIR = "ckpt"
+
+
+def attempt_dir(run_dir, attempt: int) -> Path:
+    """<run dir>/attempts/NN: one checkpoint-restart attempt's step files and events."""
+    return Path(run_dir) / ATTEMPTS_DIR / f"{int(attempt):02d}"
+
 
 _CKPT_PREFIX = "step"
 
@@ -189,31 +199,31 @@ def run_plain_worker(cfg: Any) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
+    from recover_hsdp.config import config_dict
+    from recover_hsdp.workers.build import RankBuild
     from recover_hsdp.faults import FailureInjector, FailureSchedule, FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
-    from recover_hsdp.optim import build_optimizer, lr_at
-    from recover_hsdp.record import (ParamWriter, RunRecorder, RunSummary, StepRecord,
+    from recover_hsdp.model import fsdp_wrap_policy, next_token_loss
+    from recover_hsdp.optim import lr_at
+    from recover_hsdp.record import (ParamWriter, RunSummary, StepRecord,
                                      StepWriter, write_fault_fired, write_run_files)
 
-    c = plain_config(cfg)
-    par, run, base = c["parallel"], c["run"], c["baseline"]
-    mode = str(base["name"])
+    b = RankBuild.from_config(cfg)  # tokenizer, model, optimizer, data, loss (workers/build.py)
+    cfg = b.cfg
+    c = config_dict(cfg)            # what the run directory's config.yaml records
+    par, run, base = cfg.parallel, cfg.run, cfg.baseline
+    mode = base.name
     if mode not in (MODE_REFERENCE, MODE_CHECKPOINT_RESTART):
         raise ValueError(f"baseline.name({mode!r}) is not a plain-FSDP baseline")
     cr = mode == MODE_CHECKPOINT_RESTART
-    W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
+    W, S, G = par.replicas, par.shard_size, par.grad_accum
     B = W * G
-    steps = int(run["steps"])
-    seed = int(run.get("seed", 0))
-    run_dir = Path(run["output_dir"])
+    steps, seed = run.steps, run.seed
+    run_dir = b.run_dir
     attempt = int(os.environ.get(ENV_ATTEMPT, "0")) if cr else 0
-    interval = int(base.get("ckpt_interval", 4))
-    use_async = bool(base.get("ckpt_async", False))
-    torch.set_num_threads(int(run.get("omp_num_threads", 1) or 1))
-    timeout_s = float(run.get("shard_timeout_s") or 60.0)
+    interval, use_async = base.ckpt_interval, base.ckpt_async
+    torch.set_num_threads(run.omp_num_threads)
+    timeout_s = float(cfg.watchdog.shard_timeout_s)
 
     # --- process groups: torch's own ------------------------------------------------------
     fh.init_distributed_from_env(backend="gloo", timeout_s=timeout_s)
@@ -223,11 +233,11 @@ def run_plain_worker(cfg: Any) -> int:
     events = EventLog(attempt_dir(run_dir, attempt) / f"events.rank{rank}.jsonl" if cr else None)
     events("launch_seen", t=t_launch)
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
-    from recover_hsdp.hsdp.trainer import rank_device, step_resources
+    from recover_hsdp.workers.resilient import rank_device, step_resources
 
-    device = rank_device(run.get("gpus_per_node"), S, run.get("device") or "auto") \
+    device = rank_device(run.gpus_per_node, S, run.device) \
         or fh.local_device()
-    mp = resolve_mixed_precision(str(par.get("mixed_precision") or "auto"), device)
+    mp = resolve_mixed_precision(par.mixed_precision, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     shard_pg = fh.new_shard_groups(topo, backend=backend, timeout_s=timeout_s)
     replicate_pg = None
@@ -241,22 +251,19 @@ def run_plain_worker(cfg: Any) -> int:
                              group_desc="checkpoint") if cr else None
 
     # --- model, data, optimizer: as the resilient trainer ---------------------------------
-    data_cfg = data_config(c["data"], par)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = model_config(c["model"], tok.vocab_size)
-    optim_cfg = optim_config(c.get("optim", {}), steps)
-    model = build_model(model_cfg, seed=seed)
+    model = b.model()
     module = wrap_plain(model, shard_pg, replicate_pg, S, device, fsdp_wrap_policy(),
                         mixed_precision=fh.bf16_mixed_precision() if mp == "bf16" else None)
-    optimizer = build_optimizer(module.named_parameters(), optim_cfg)
-    source = build_microbatch_source(data_cfg, replica, W)
-    mbs = int(par["micro_batch_size"])
-    tpm = mbs * int(par["seq_len"])        # tokens of this rank's rows
+    optimizer = b.optimizer(module)
+    optim_cfg = b.optim
+    source = b.source(replica, W)
+    mbs = par.micro_batch_size
+    tpm = b.tokens_per_microbatch          # tokens of this rank's rows
     tokens_per_step = B * S * tpm
 
     # --- failure schedule (checkpoint_restart): entries that already fired are dropped ------
     n_buckets = len(fh.flat_param_handles(module))
-    schedule = FailuresConfig.from_mapping(c.get("failures")).build(
+    schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W, S, G, n_buckets, steps=steps, base_dir=None)
     fired = fired_entries(run_dir)
     pending = FailureSchedule.from_list([e.to_dict() for e in schedule.entries
@@ -279,15 +286,14 @@ def run_plain_worker(cfg: Any) -> int:
             "mode": mode, "processes_per_replica": S}
     if cr:
         meta.update(ckpt_interval=interval, ckpt_async=use_async,
-                    max_restarts=int(base.get("max_restarts", 20)))
+                    max_restarts=base.max_restarts)
         write_run_files(run_dir, meta, c, schedule)
         steps_out = StepWriter(attempt_dir(run_dir, attempt), rank)
         params = ParamWriter(run_dir, rank, replica, shard_index, every=10**9,
                              final_step=steps - 1)
         recorder = None
     else:
-        recorder = RunRecorder(run_dir, rank, replica, shard_index, params_every=10**9,
-                               final_step=steps - 1)
+        recorder = b.recorder(rank, replica, shard_index)
         recorder.start(meta, c, schedule)
         steps_out, params = None, recorder.params
     events("init_done")
@@ -393,7 +399,7 @@ def run_plain_worker(cfg: Any) -> int:
         (steps_out.write(rec) if cr else recorder.commit(rec))
         if params.due(step):  # never a per-step copy (the writer copies the due ones)
             params.save(step, {f"flat{i}": t for i, t in enumerate(fh.local_flat_shards(module))})
-        if is_logger and (step % int(run.get("log_every", 1) or 1) == 0 or step == steps - 1):
+        if is_logger and (step % run.log_every == 0 or step == steps - 1):
             el = time.perf_counter() - t_start
             print(f"step {step:5d}  loss {loss:7.4f}  tok/s {tokens / el:9.0f}  "
                   f"attempt {attempt}  [{mode}]", flush=True)

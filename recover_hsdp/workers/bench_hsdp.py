@@ -1,21 +1,21 @@
 """Per-rank worker of `recover-hsdp bench hsdp`'s overhead phase (the arms: that module's
 docstring): plain FSDP HYBRID_SHARD (gloo on both groups, FSDP's own all-reduce and divide) and
-``HSDPULFMTrainingManager.train_step`` built as ``trainer.run_worker`` builds it, in the same
-processes, same seed and microbatch ids, steps interleaved ABBA. Per step and arm: wall time,
-phase times and process CPU time (less exposed to other tenants). Same work: the step-0 gradient
-shards' max relative difference and the parameters' difference at the end. Each rank writes
-``OUT_DIR/rank{g}.json`` and leaves with ``os._exit`` (MPI_Finalize under ULFM may hang).
+``HSDPULFMTrainingManager.train_step`` built as ``resilient.run_worker`` builds it (the same
+builder, workers/build.py), in the same processes, same seed and microbatch ids, steps
+interleaved ABBA. Per step and arm: wall time, phase times and process CPU time (less exposed to
+other tenants). Same work: the step-0 gradient shards' max relative difference and the
+parameters' difference at the end. Each rank writes ``OUT_DIR/rank{g}.json`` and leaves with
+``os._exit`` (MPI_Finalize under ULFM may hang).
 
-    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR
+    mpirun --with-ft ulfm -n W*S python -m recover_hsdp.workers.bench_hsdp CFG.yaml OUT_DIR
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
-
-from recover_hsdp.bench import harness as H
 
 
 def run(cfg_path: str, out_dir: str) -> int:
@@ -24,54 +24,44 @@ def run(cfg_path: str, out_dir: str) -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
-    from recover_hsdp.config import data_config, model_config, optim_config, plain_config
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
+    import yaml
+
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.model import build_model, fsdp_wrap_policy, next_token_loss
-    from recover_hsdp.optim import build_optimizer, lr_at
+    from recover_hsdp.model import fsdp_wrap_policy
+    from recover_hsdp.optim import lr_at
+    from recover_hsdp.workers.build import RankBuild
 
-    c = plain_config(cfg_path)
-    par, run_c, bench = c["parallel"], c["run"], c.get("bench", {})
-    W, S, G = int(par["replicas"]), int(par["shard_size"]), int(par["grad_accum"])
+    with open(cfg_path) as f:
+        c = yaml.safe_load(f)
+    bench = c.pop("bench", None) or {}    # this worker's own keys; the rest is a TrainConfig
     warmup, steps = int(bench.get("warmup", 3)), int(bench.get("steps", 20))
     total = warmup + steps
-    seed = int(run_c.get("seed", 0))
-    torch.set_num_threads(int(run_c.get("threads", 1) or 1))
+    b = RankBuild.from_config(c, steps=total)   # the trainer's builder (workers/build.py)
+    cfg = b.cfg
+    par = cfg.parallel
+    W, S, G = par.replicas, par.shard_size, par.grad_accum
+    seed = cfg.run.seed
+    torch.set_num_threads(cfg.run.omp_num_threads)
 
     fh.init_distributed_from_env(backend="gloo")
     rank = dist.get_rank()
     topo = fh.HybridTopology.for_world(W, S, rank, dist.get_world_size())
 
-    data_cfg = data_config(c["data"], par)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    model_cfg = model_config(c["model"], tok.vocab_size)
-    optim_cfg = optim_config(c.get("optim", {}), total)
-    source = build_microbatch_source(data_cfg, topo.replica, W)
-    mbs = int(par["micro_batch_size"])
-    tpm = mbs * int(par["seq_len"])
+    optim_cfg = b.optim
+    source = b.source(topo.replica, W)
+    mbs = par.micro_batch_size
+    loss_fn = b.loss_fn
 
     def rows(x):
         return x[topo.shard_index * mbs:(topo.shard_index + 1) * mbs]
 
-    def loss_fn(module, x, y):
-        return next_token_loss(module(x), y, tokens_per_microbatch=tpm)
-
     # --- resilient arm: exactly the trainer's construction --------------------------------
-    sources = {topo.replica: source}
-
-    def microbatch_fn(replica, mb_id):
-        if replica not in sources:
-            sources[replica] = build_microbatch_source(data_cfg, replica, W)
-        return sources[replica].get(mb_id)
-
     mgr = HSDPULFMTrainingManager(
-        build_model(model_cfg, seed=seed),
-        optimizer_factory=lambda m: build_optimizer(m.named_parameters(), optim_cfg),
-        microbatch_fn=microbatch_fn, loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
-        auto_wrap_policy=fsdp_wrap_policy(), policy=str(c.get("policy", {}).get("name", "static")),
-        lr_fn=lambda step: lr_at(step, optim_cfg),
-        restore_enabled=True, shard_timeout_s=run_c.get("shard_timeout_s"))
+        b.model(), optimizer_factory=b.optimizer_factory, microbatch_fn=b.microbatch_fn(W),
+        loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
+        auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name, lr_fn=b.lr_fn,
+        restore_enabled=True, shard_timeout_s=cfg.watchdog.shard_timeout_s)
 
     # where the resilient step spends its time (wrappers only add a perf_counter pair per call)
     phases: dict[str, float] = {}
@@ -103,11 +93,11 @@ def run(cfg_path: str, out_dir: str) -> int:
         g = dist.new_group(topo.replicate_ranks(j), backend="gloo")
         if j == topo.shard_index:
             rep_pg = g
-    base = FSDP(build_model(model_cfg, seed=seed), process_group=(shard_pg, rep_pg),
+    base = FSDP(b.model(seed), process_group=(shard_pg, rep_pg),
                 sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                 auto_wrap_policy=fsdp_wrap_policy(), device_id=torch.device("cpu"),
                 use_orig_params=True, sync_module_states=False)
-    base_opt = build_optimizer(base.named_parameters(), optim_cfg)
+    base_opt = b.optimizer(base)
 
     def baseline_step(step: int) -> tuple[float, dict]:
         c0 = time.process_time()
@@ -174,13 +164,16 @@ def run(cfg_path: str, out_dir: str) -> int:
            "first": order, "baseline_phases": p_base, "resilient_phases": p_res, "max_param_diff": max(diffs) if diffs else None,
            "param_rel_rms_diff": (num / den) ** 0.5 if den else None,
            "grad_rel_diff_step0": grad_diff, "n_buckets": len(diffs), "load": os.getloadavg()}
-    H.write_json(Path(out_dir) / f"rank{rank}.json", out, indent=None)
+    from recover_hsdp.record.io import atomic_write
+
+    atomic_write(Path(out_dir) / f"rank{rank}.json",
+                 (json.dumps(out, default=str) + "\n").encode(), fsync=False)
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        print("usage: python -m recover_hsdp.bench.hsdp_worker CFG.yaml OUT_DIR",
+        print("usage: python -m recover_hsdp.workers.bench_hsdp CFG.yaml OUT_DIR",
               file=sys.stderr)
         sys.exit(2)
     rc = 1
