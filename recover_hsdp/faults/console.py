@@ -1,10 +1,12 @@
 """A rank never blocks on its console.
 
-A rank's stdout and stderr are pipes to its launcher daemon (mpirun / prterun forwards them).
-When that daemon stops reading (it is SIGSTOPped, hung, or dead), a rank that prints more than
-a pipe holds (64 KiB on Linux) blocks in write() for good: its main thread is wedged on a print
+A rank's stdout and stderr lead to its launcher daemon, which forwards them (under mpirun /
+prterun stdout is a pseudo-terminal, stderr a pipe). When that daemon stops reading (it is
+SIGSTOPped, hung, or dead), a rank that prints more than the pty or pipe holds (64 KiB for a
+Linux pipe) blocks in write() for good: its main thread is wedged on a print
 while the heartbeat thread beats on, and a run whose ranks all finished their work could never
-end. So, in a rank whose fd 1 / fd 2 is a pipe or a socket, the streams are made non-blocking
+end. So, in a rank under mpirun whose fd 1 / fd 2 is a pipe, a socket or a (pseudo-)terminal,
+the streams are made non-blocking
 and Python's sys.stdout / sys.stderr write through :class:`_Console`:
 
 * a write the pipe takes at once goes through as before (the normal case: the daemon reads);
@@ -27,7 +29,7 @@ import stat
 import sys
 
 #: how long one write may wait for a full pipe before its rest is dropped
-WAIT_S = 1.0
+WAIT_S = 5.0
 
 _state = {"dropped": 0, "installed": False}
 
@@ -37,12 +39,13 @@ def dropped() -> int:
     return int(_state["dropped"])
 
 
-def _is_pipe(fd: int) -> bool:
+def _is_stream(fd: int) -> bool:
+    """A pipe, a socket or a terminal: what fills when its reader stops (a file never does)."""
     try:
         mode = os.fstat(fd).st_mode
     except OSError:
         return False
-    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(fd)
 
 
 class _Console(io.RawIOBase):
@@ -97,12 +100,13 @@ def _wrap(fd: int, old):
 
 def never_block() -> bool:
     """Make this rank's console non-blocking (see the module docstring). Idempotent; only for
-    fds that are pipes or sockets (a terminal or a file never fills that way). True if done."""
+    fds that are pipes, sockets or terminals (a file never fills that way); the caller calls
+    it in a rank under mpirun only, whose terminal is mpirun's pty. True if done."""
     if _state["installed"]:
         return True
     did = False
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        if not _is_pipe(fd):
+        if not _is_stream(fd):
             continue
         old = getattr(sys, name)
         try:

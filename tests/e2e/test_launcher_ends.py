@@ -1,6 +1,7 @@
-"""A stopped mpirun daemon must not hang a finished run (issue 25): the ranks commit every step
-and exit, mpirun (prterun, SIGSTOPped while the test gate held the job) never returns; the
-launcher stops it END_GRACE_S after the last rank ended and judges the run from its record."""
+"""A stopped mpirun daemon must not hang a finished run: the ranks commit every step and exit,
+mpirun (prterun, SIGSTOPped while the test gate held the job) never returns; the launcher stops
+it END_GRACE_S after the last rank ended and judges the run from its record. The ranks print
+more than a pipe holds after the stop: a console nobody reads must not wedge them."""
 from __future__ import annotations
 
 import os
@@ -46,7 +47,10 @@ def test_stopped_mpirun_after_the_ranks_finished_is_stopped_and_the_run_judged_o
     dl = Deadline(270)
     W, steps, at = 3, 8, 4
     out = tmp_path / "run"
-    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200)
+    # after the hold every rank prints 96 KiB a step into a pipe nobody reads (mpirun stopped):
+    # 3 steps, 288 KiB per rank, past the 64 KiB a pipe holds (faults/console.py: not a wedge)
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200,
+                    chatter_bytes=96 * 1024)
     e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
     e.pop("OMPI_COMM_WORLD_RANK", None)
     p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
