@@ -247,7 +247,8 @@ def end_watch(cfg, run_dir: Path, env: dict):
     from recover_hsdp.faults.startup import EndWatch
 
     return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.run.hang_timeout_s),
-                    launch_id=env.get(ENV_LAUNCH_ID))
+                    launch_id=env.get(ENV_LAUNCH_ID),
+                    deliver_s=float(cfg.run.hang_timeout_s) + 2 * float(cfg.run.heartbeat_s))
 
 
 def _rejoin_left(cfg, used: int) -> bool:
