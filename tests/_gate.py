@@ -23,13 +23,14 @@ class TestGate:
     __test__ = False  # not a pytest class
 
     def __init__(self, d: Path, hold: Iterable[int] = (), ranks: Iterable[int] = (),
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, chatter_bytes: int = 0):
         self.dir = Path(d)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ranks = sorted(int(r) for r in ranks)
         self.holds = sorted(int(s) for s in hold)
         (self.dir / HOLDS).write_text(json.dumps({"steps": self.holds,
-                                                  "timeout_s": float(timeout_s)}))
+                                                  "timeout_s": float(timeout_s),
+                                                  "chatter_bytes": int(chatter_bytes)}))
 
     def env(self) -> dict[str, str]:
         return {ENV_GATE: str(self.dir), ENV_ALLOW: "1"}

@@ -42,7 +42,8 @@ RANKS_DIR = "ranks"
 ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
 ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
 ENV_LAUNCH_ID = "RECOVER_HSDP_LAUNCH_ID"   # per launch (launcher/job.job_env): heartbeats name it
-ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"   # chaos: SIGUSR1 -> InjectedFault
+ENV_RAISE_ON_SIGUSR1 = "RECOVER_HSDP_RAISE_ON_SIGUSR1"   # chaos: SIGUSR1 -> InjectedFault;
+#   with the test-fault allow variable also SIGUSR2 -> wedge (the main thread blocks for good)
 #: a heartbeat starts inside the announced phase "start-up" (world formation, the model's
 #: sharding, a checkpoint load, the initial snapshot), ended by the first step (step_begins):
 #: the progress watchdog judges it only past this bound
@@ -225,6 +226,20 @@ def install_hooks() -> None:
             raise InjectedFault("injected by SIGUSR1 (chaos)")
 
         signal.signal(signal.SIGUSR1, on_usr1)
+        if os.environ.get("RECOVER_HSDP_ALLOW_TEST_FAULT") == "1":
+            def on_usr2(signum, frame):  # noqa: ARG001
+                # chaos's wedge: the main thread blocks here for good, the heartbeat beats on;
+                # only the launcher's progress watchdog can judge it. A phase it interrupts (the
+                # test gate's hold) is abandoned: the wedge is judged by the progress bound.
+                from recover_hsdp.faults.injector import wedge
+
+                hb = _hb["hb"]
+                if hb is not None:
+                    hb.phase = hb.phase_until = None
+                    hb.beat()
+                wedge()
+
+            signal.signal(signal.SIGUSR2, on_usr2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +341,10 @@ def start_heartbeat(run_dir: os.PathLike | str | None, rank: int,
         return None
     _hb["hb"] = Heartbeat(run_dir, rank, period_s).start()
     atexit.register(mark_done)          # a custom loop's normal interpreter exit
+    if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
+        from recover_hsdp.faults import console
+
+        console.never_block()           # a daemon that stops reading cannot wedge this rank
     return _hb["hb"]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -59,6 +60,9 @@ class Gate:
             spec = {}
         self.holds = {int(s) for s in spec.get("steps", ())}
         self.timeout_s = float(spec.get("timeout_s") or DEFAULT_TIMEOUT_S)
+        # bytes each rank prints to stdout at every boundary after the first hold (a test of a
+        # launcher daemon that stopped reading: more than a pipe holds must not wedge a rank)
+        self.chatter = int(spec.get("chatter_bytes") or 0)
 
     @classmethod
     def from_env(cls, rank: int) -> Optional["Gate"]:
@@ -74,6 +78,10 @@ class Gate:
         tmp = m.with_name(m.name + f".tmp{os.getpid()}")
         tmp.write_text(f"{os.getpid()}\n")
         os.replace(tmp, m)
+        if self.chatter and self.holds and step > min(self.holds):
+            line = f"[gate chatter] rank {self.rank} step {step} " + "x" * 1000 + "\n"
+            sys.stdout.write(line * max(1, self.chatter // len(line)))
+            sys.stdout.flush()
         if step not in self.holds:
             return
         from recover_hsdp.faults import failstop

@@ -247,8 +247,10 @@ def end_watch(cfg, run_dir: Path, env: dict):
     from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
     from recover_hsdp.launcher.startup import EndWatch
 
-    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(cfg.watchdog.hang_timeout_s),
-                    launch_id=env.get(ENV_LAUNCH_ID))
+    wd = cfg.watchdog
+    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(wd.hang_timeout_s),
+                    launch_id=env.get(ENV_LAUNCH_ID),
+                    deliver_s=float(wd.hang_timeout_s) + 2 * float(wd.heartbeat_s))
 
 
 def _rejoin_left(cfg, used: int) -> bool:

@@ -147,6 +147,14 @@ class StartupWatch:
 END_GRACE_S = 10.0
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class EndWatch:
     """The other end of a job: every rank has ENDED (a clean exit marked in its heartbeat, or a
     local rank that is gone), yet mpirun still runs. After ``grace_s`` of that, :meth:`poll`
@@ -158,8 +166,12 @@ class EndWatch:
     once more after the relaunch cleared ranks/ is not this job's)."""
 
     def __init__(self, run_dir: os.PathLike | str, world_size: int,
-                 stale_s: float, grace_s: float = END_GRACE_S, launch_id: Optional[str] = None):
+                 stale_s: float, grace_s: float = END_GRACE_S, launch_id: Optional[str] = None,
+                 deliver_s: Optional[float] = None):
         self.launch_id = launch_id
+        #: a death the runtime did not deliver (see :meth:`_undelivered`); None: not judged
+        self.deliver_s = None if deliver_s is None else float(deliver_s)
+        self._death: Optional[tuple[float, dict]] = None
         self.run_dir = Path(run_dir)
         self.world_size = int(world_size)
         self.stale_s = float(stale_s)
@@ -189,10 +201,41 @@ class EndWatch:
             hbs.append(hb)
         if not all(self._ended(hb, now) for hb in hbs):
             self._since = None
-            return None
+            return self._undelivered(hbs, now)
         if self._since is None:
             self._since = now
         if now - self._since < self.grace_s:
             return None
         return (f"all {self.world_size} ranks have ended, but mpirun is still running "
                 f"{now - self._since:.0f} s later (a stopped or hung daemon?): stopping it")
+
+    def _undelivered(self, hbs: list[dict], now: float) -> Optional[str]:
+        """A local rank died and its daemon has not reaped it (a zombie: the daemon is stopped
+        or hung), and no live rank has moved for ``deliver_s`` + 3 median steps (outside
+        announced phases). ULFM learns of a death from the runtime (the prted daemon that reaps
+        the rank tells prterun, which tells the survivors): a stopped or hung daemon leaves the
+        survivors waiting in their collective for good (they still finish the microbatches
+        before it: the clock runs from the last move). A rank whose daemon died with it (a node
+        loss) is reaped by init, not a zombie: node loss has its own path (faults/nodeloss.py). After a delivered death the survivors
+        go on training and move every microbatch. Returns the one line that stops the job; the
+        run is judged (or relaunched) from its record as usual."""
+        if self.deliver_s is None:
+            return None
+        dead = sorted(int(hb["rank"]) for hb in hbs if not hb.get("done")
+                      and hb.get("host") == self._host and _zombie(int(hb["pid"])))
+        live = {int(hb["rank"]): hb for hb in hbs if not self._ended(hb, now)}
+        if not dead or not live:
+            self._death = None
+            return None
+        progress = {g: int(hb.get("progress", 0)) for g, hb in live.items()}
+        if self._death is None or progress != self._death[1] or \
+                any(hb.get("phase") is not None for hb in live.values()):
+            self._death = (now, progress)            # moved, or in a phase: the clock restarts
+            return None
+        steps = [float(hb["step_s"]) for hb in live.values() if hb.get("step_s")]
+        bound = self.deliver_s + 3 * max(steps, default=0.0)
+        if now - self._death[0] < bound:
+            return None
+        return (f"rank(s) {dead} died and no survivor has moved for {now - self._death[0]:.0f} "
+                f"s (bound {bound:.1f} s): the runtime did not deliver the death (a stopped or "
+                f"hung mpirun / prted daemon?): stopping the job")

@@ -7,7 +7,10 @@ all: down to one replica), and at random wall-clock moments while the run trains
 * kill  - SIGKILL a random rank of the replica (a crash),
 * stop  - SIGSTOP it (a hang: only the launcher's watchdog can resolve it),
 * raise - SIGUSR1, which makes the rank's main thread raise InjectedFault (a Python error:
-          the rank must turn it into a fail-stop).
+          the rank must turn it into a fail-stop),
+* wedge - SIGUSR2, which makes the rank's main thread block for good while its heartbeat
+          thread beats on (a deadlocked loader, a stuck sync: only the launcher's progress
+          watchdog can resolve it; the runs keep it on, with the floor `--progress-floor`).
 
 With `--standby K` (hot standbys, docs/rejoin.md) the run has K idle standby replicas and the
 victims are drawn from all W + K rank blocks (at most W - 1 of the W first ones, so a replica
@@ -47,8 +50,11 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-KINDS = ("kill", "stop", "raise")
-_SIG = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "raise": signal.SIGUSR1}
+KINDS = ("kill", "stop", "raise", "wedge")
+_SIG = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "raise": signal.SIGUSR1,
+        "wedge": signal.SIGUSR2}
+#: the kinds only an outside judgement (the launcher's watchdog: faults/hung.rank*.json) ends
+JUDGED = ("stop", "wedge")
 
 # The cheapest run that still exercises everything (issue 12: the soak is >= 100 runs): a
 # one-block model (d_model 32, 2 heads), microbatches of 1 x 16 tokens, and no intermediate
@@ -104,6 +110,7 @@ def one_run(i: int, args, out: Path, rng: random.Random) -> dict:
            f"parallel.shard_size={S}", f"parallel.grad_accum={args.grad_accum}",
            f"run.steps={steps}", f"run.output_dir={run_dir}", "run.overwrite=true",
            f"watchdog.hang_timeout_s={args.hang_timeout}", f"watchdog.heartbeat_s={args.heartbeat}",
+           "watchdog.progress_timeout_s=auto", f"watchdog.progress_floor_s={args.progress_floor}",
            f"run.seed={i}", *([f"parallel.standby={K}"] if K else []), *SMALL,
            *args.overrides]
     log = open(out / f"run{i:04d}.log", "w")
@@ -258,7 +265,7 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
             (float(v.get("time", 0)) for v in rec.local.get(s, {}).values()), default=None)
         f["recovery_s"] = None if t_rec is None else t_rec - f["t"]
         det = None
-        if f["kind"] == "stop":
+        if f["kind"] in JUDGED:
             h = run_dir / "faults" / f"hung.rank{f['rank']}.json"
             if h.exists():
                 det = json.loads(h.read_text())["time"] - f["t"]
@@ -267,7 +274,7 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
             if e.exists():
                 det = json.loads(e.read_text())["time"] - f["t"]
         f["detection_s"] = det
-    stopped = {f["rank"] for f in res["faults"] if f["kind"] == "stop"}
+    stopped = {f["rank"] for f in res["faults"] if f["kind"] in JUDGED}
     hung_files = sorted((run_dir / "faults").glob("hung.rank*.json")) \
         if (run_dir / "faults").is_dir() else []
     res["false_detections"] = [int(p.name[len("hung.rank"):-len(".json")]) for p in hung_files
@@ -352,12 +359,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="shard size, or a comma list to draw from per run (e.g. 1,2)")
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--faults", type=int, default=2, help="at most this many per run (< W)")
-    ap.add_argument("--kinds", default="kill,stop,raise")
+    ap.add_argument("--kinds", default="kill,stop,raise,wedge")
     ap.add_argument("--standby", type=int, default=0,
                     help="hot standbys per run (parallel.standby; docs/rejoin.md): faults also "
                          "land on them and on joins")
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument("--heartbeat", type=float, default=1.0)
+    ap.add_argument("--progress-floor", type=float, default=10.0,
+                    help="watchdog.progress_floor_s: the floor of the progress bound that judges a "
+                         "wedge (auto: max(floor, 3 x the median step))")
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/chaos")

@@ -1,5 +1,7 @@
-"""`recover-hsdp chaos`, the CI-sized soak: one run, random kill/stop/raise from outside at
-random wall-clock moments, down to one replica; every step committed, verify OK, no hang.
+"""`recover-hsdp chaos`, the CI-sized soak: one run, random faults from outside at random
+wall-clock moments (seed 21 draws a raise and a wedge: the kill and the stop are the other
+e2e tests' staple, the wedge is judged only by the progress watchdog), down to one replica;
+every step committed, verify OK, no hang.
 The long soak's command and figures are in docs/faults.md."""
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ def test_chaos_short(tmp_path, capsys):
     rc = chaos.main(["--runs", "1", "--steps", "20", "--replicas", "3", "--faults", "2",
                      # the fast detector (docs/faults.md's table): the defaults are not
                      # what this tests, and a SIGSTOP is found ~2 s sooner
-                     "--seed", "0", "--hang-timeout", "1", "--heartbeat", "0.25",
+                     "--seed", "21", "--hang-timeout", "1", "--heartbeat", "0.25",
                      "--run-timeout", "500", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     res = [json.loads(ln) for ln in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -29,6 +31,12 @@ def test_chaos_short(tmp_path, capsys):
     assert r["planned"] >= 1 and not r["unfired"], r
     assert len(r["faults"]) == r["planned"], r
     assert len({f["replica"] for f in r["faults"]}) == r["planned"], r
+    # the draw this test is for: a wedge (main thread blocked, heartbeat beating) and a raise
+    assert sorted(f["kind"] for f in r["faults"]) == ["raise", "wedge"], r
+    # the wedged rank was judged by the watchdog (its verdict file), within the progress bound
+    # (floor 10 s) + the watchdog's grace (2 x 0.25 s + 3 s), x3 slack for a loaded box
+    w = next(f for f in r["faults"] if f["kind"] == "wedge")
+    assert w["detection_s"] is not None and w["detection_s"] < 3 * (10 + 3.5), r
     # no rank was judged hung that was not SIGSTOPped
     assert r["false_detections"] == [], r
     assert "hangs: 0" in out and "false hang detections: 0" in out, out

@@ -66,3 +66,50 @@ def test_only_the_heartbeats_of_this_launch_count(tmp_path):
     assert w.poll(now=1000.0) is None
     (tmp_path / "ranks" / "rank0.json").write_text(json.dumps({**hb, "launch": "new"}))
     assert w.poll(now=1000.0) is not None
+
+
+def _hb2(d, g, pid, progress, phase=None):
+    import socket
+
+    (d / "ranks").mkdir(exist_ok=True)
+    (d / "ranks" / f"rank{g}.json").write_text(json.dumps(
+        {"rank": g, "pid": pid, "host": socket.gethostname(), "time": 1000.0, "done": False,
+         "progress": progress, "phase": phase, "step_s": 0.5}))
+
+
+def test_a_death_its_daemon_did_not_reap_with_survivors_standing_still_stops_the_job(tmp_path):
+    """A zombie rank (its daemon, here this test, does not reap it) and a live rank that does
+    not move: judged deliver_s + 3 x its median step after its last move; a move, or an
+    announced phase, restarts the clock; a reaped death is never judged this way."""
+    z = subprocess.Popen([sys.executable, "-c", "pass"])
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        import os
+        import time
+
+        dl = time.monotonic() + 30
+        while open(f"/proc/{z.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < dl, "the child never exited"
+            os.sched_yield()
+        _hb2(tmp_path, 0, live.pid, 5)
+        _hb2(tmp_path, 1, z.pid, 3)
+        w = EndWatch(tmp_path, 2, stale_s=3, grace_s=10, deliver_s=7.0)   # bound 7 + 1.5
+        assert w.poll(now=1000.0) is None
+        assert w.poll(now=1008.0) is None
+        _hb2(tmp_path, 0, live.pid, 6)               # the survivor moved: the clock restarts
+        assert w.poll(now=1008.1) is None
+        assert w.poll(now=1016.0) is None
+        _hb2(tmp_path, 0, live.pid, 6, phase="checkpoint save")
+        assert w.poll(now=1017.0) is None            # a phase restarts it too
+        _hb2(tmp_path, 0, live.pid, 6)
+        assert w.poll(now=1017.1) is None
+        assert w.poll(now=1025.0) is None
+        line = w.poll(now=1025.7)
+        assert line and "rank(s) [1] died" in line and "did not deliver the death" in line
+        z.wait()                                     # reaped: a delivered death's state
+        w2 = EndWatch(tmp_path, 2, stale_s=3, grace_s=10, deliver_s=7.0)
+        assert w2.poll(now=1000.0) is None and w2.poll(now=2000.0) is None
+    finally:
+        live.communicate(b"")
+        z.wait()
