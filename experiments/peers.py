@@ -1,7 +1,7 @@
 """`python -m experiments.peers` (from the repository root): the same job under torchft, side
 by side with ours.
 
-Project issue 8. Every run trains llama_debug on the embedded corpus with the same per-replica
+The torchft side-by-side experiment. Every run trains llama_debug on the embedded corpus with the same per-replica
 batch (G microbatches of mbs x seq_len tokens), the same microbatch ids (replica r: k * N + r),
 our AdamW + lr schedule, seed 0 and one torch thread per process, N replica groups of 1 process:
 

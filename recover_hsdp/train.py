@@ -188,7 +188,7 @@ def prepare_jobs(overrides: Sequence[str], *, multirun: bool, cwd: str | os.Path
 
 
 def _check_inputs(checked) -> None:
-    """The dataset every rank opens, checked here once (issue 12): one line, exit 2, fast."""
+    """The dataset every rank opens, checked here once: one line, exit 2, fast."""
     from recover_hsdp.config import TrainConfigError
     from recover_hsdp.data.preflight import InputUnavailable, check_inputs
 
@@ -232,7 +232,7 @@ def launch_job(job: Job) -> JobResult:
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
 
         return run_checkpoint_restart(job)
-    from recover_hsdp.launcher.resume import run_resilient, wants_supervisor   # issue 14
+    from recover_hsdp.launcher.resume import run_resilient, wants_supervisor
     if wants_supervisor(job.cfg):
         return run_resilient(job)
     run_dir = job.run_dir

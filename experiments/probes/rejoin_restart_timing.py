@@ -1,4 +1,4 @@
-"""Measure the rejoin policy (issue 15, docs/rejoin.md "The policy") from a run directory: for each
+"""Measure the rejoin policy (docs/rejoin.md "The policy") from a run directory: for each
 SIGKILL, the seconds to the first step committed at full width again (in place by a standby, or
 by the relaunch), the steps lost, and the step time before / degraded / after.
 

@@ -1,4 +1,4 @@
-"""Measure a rejoin (issue 15) from a run directory: kill -> the newcomer's first contributing step.
+"""Measure a rejoin from a run directory: kill -> the newcomer's first contributing step.
 
     recover-hsdp train parallel.replicas=3 parallel.standby=1 parallel.grad_accum=2 run.steps=10 \\
         run.output_dir=/tmp/rejoin failures.schedule=KILLS.yaml model.d_model=64 model.n_layers=2 \\

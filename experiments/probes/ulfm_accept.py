@@ -1,4 +1,4 @@
-"""Probe (issue 15), server half: accept a newcomer from a SEPARATE mpirun (connect/accept).
+"""Probe, server half: accept a newcomer from a SEPARATE mpirun (connect/accept).
 
     mpirun --with-ft ulfm --oversubscribe -n 3 python experiments/probes/ulfm_accept.py &
     mpirun --with-ft ulfm --oversubscribe -n 1 python experiments/probes/ulfm_connect.py

@@ -1,4 +1,4 @@
-"""Probe (issue 15), client half of ulfm_accept.py (see there)."""
+"""Probe, client half of ulfm_accept.py (see there)."""
 import os, sys, time, signal
 from mpi4py import MPI
 while not os.path.exists(os.environ.get("PORT_DIR", "/tmp") + "/port.txt"): time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""Probe (issue 15): a newcomer started as a SEPARATE job joins a running ULFM job through a
+"""Probe: a newcomer started as a SEPARATE job joins a running ULFM job through a
 persistent PRRTE DVM (MPI_Open_port / Accept <- Connect, then Intercomm_merge), and what a
 failure does. See experiments/probes/ulfm_dvm_run.sh for the commands (it starts its own DVM).
 

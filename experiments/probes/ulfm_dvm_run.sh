@@ -1,5 +1,5 @@
 #!/bin/bash
-# Probe driver (issue 15): a newcomer job joins a running ULFM job through a persistent PRRTE DVM.
+# Probe driver: a newcomer job joins a running ULFM job through a persistent PRRTE DVM.
 #   bash experiments/probes/ulfm_dvm_run.sh SCEN [SCEN...]   # SCEN: solo ok a b c c2 d e i ic im a2 dvm
 #   NB=2 bash experiments/probes/ulfm_dvm_run.sh ok a         # a 2-process newcomer job
 #   EXTRA=OMPI_MCA_mpi_pmix_connect_timeout=5 bash experiments/probes/ulfm_dvm_run.sh b c2

@@ -1,4 +1,4 @@
-"""Probe (issue 15): MPI Sessions as the join path between two jobs on one PRRTE DVM.
+"""Probe: MPI Sessions as the join path between two jobs on one PRRTE DVM.
 
     bash experiments/probes/ulfm_dvm_sessions.sh        # starts its own DVM, runs A (3) then B (1)
 

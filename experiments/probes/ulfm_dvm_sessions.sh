@@ -1,5 +1,5 @@
 #!/bin/bash
-# Driver for ulfm_dvm_sessions.py (issue 15): one fresh DVM, job A (3 ranks, --pset trainers),
+# Driver for ulfm_dvm_sessions.py: one fresh DVM, job A (3 ranks, --pset trainers),
 # 1 s later job B (1 rank, --pset joiners); see ulfm_dvm_run.sh for why LD_PRELOAD and `env`.
 set -u
 cd "$(dirname "$0")/../.."

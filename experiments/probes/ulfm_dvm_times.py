@@ -1,4 +1,4 @@
-"""Figures from ulfm_dvm_run.sh output (issue 15): per scenario, median (min, max, n) of
+"""Figures from ulfm_dvm_run.sh output: per scenario, median (min, max, n) of
 newcomer launch -> MPI up, Connect, Merge, kill -> last survivor's detection, shrink, root Accept.
 
     bash experiments/probes/ulfm_dvm_run.sh ok a e ok a e ok a e > /tmp/dvm.txt 2>&1

@@ -1,4 +1,4 @@
-"""Probe (issue 15): can survivors MPI_Comm_spawn a newcomer after a ULFM shrink and merge it?
+"""Probe: can survivors MPI_Comm_spawn a newcomer after a ULFM shrink and merge it?
 
     mpirun --with-ft ulfm --oversubscribe -n 4 python experiments/probes/ulfm_spawn_after_shrink.py
 

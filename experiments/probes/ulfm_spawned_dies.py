@@ -1,4 +1,4 @@
-"""Probe (issue 15): is the death of a SPAWNED newcomer survivable under ULFM?
+"""Probe: is the death of a SPAWNED newcomer survivable under ULFM?
 
     KEYS=pmix.continuous mpirun -x KEYS --with-ft ulfm --oversubscribe -n 3 python experiments/probes/ulfm_spawned_dies.py
 

@@ -1,4 +1,4 @@
-"""The baselines ReCoVer is compared with (issue 7; docs/baselines.md).
+"""The baselines ReCoVer is compared with (docs/baselines.md).
 
 * ``baseline=reference``: plain PyTorch FSDP1 HYBRID_SHARD over torch's own process groups (gloo
   on CPU, NCCL on GPU), no ULFM, no recover_hsdp manager, failure-free. Same model, data, batch

@@ -1,4 +1,4 @@
-"""`recover-hsdp bench gpu`: the GPU path in ONE command (issue 13). No network, nothing installed.
+"""`recover-hsdp bench gpu`: the GPU path in ONE command. No network, nothing installed.
 
 Sections, each written to ``<out>/<n>_<name>.json`` as soon as it ends (a cut-off run still
 returns what finished), then one table:
@@ -137,7 +137,7 @@ class Bench:
         # CPU: the tiny model at a short sequence; GPU: the issue's llama_1b shape
         if self.cpu:
             # run.device=cpu: --cpu means CPU everywhere (gloo shard groups, verify on cpu) even
-            # on a GPU machine (issue 24 item 3)
+            # on a GPU machine
             self.big = ["model=llama_debug", "parallel.seq_len=32", "parallel.micro_batch_size=2",
                         "parallel.grad_accum=2", "optim.warmup_steps=2", "run.device=cpu"]
             self.small = ["parallel.seq_len=32", "parallel.micro_batch_size=2", "run.device=cpu"]
@@ -218,7 +218,7 @@ class Bench:
         res = self._verified_run(run, ov)
         if not self.cpu and not self.args.quick:
             # the same kill schedule in bf16 mixed precision, judged on the same device kind by
-            # verify's bf16 replay (verify/bf16.py; issue 16): the GPU default, proven per run
+            # verify's bf16 replay (verify/bf16.py): the GPU default, proven per run
             bf = self._verified_run(self.out / "s1_readme_bf16",
                                     [o.replace("mixed_precision=fp32", "mixed_precision=bf16")
                                      for o in ov])

@@ -1,6 +1,6 @@
 """`recover-hsdp bench hsdp`: failure-free overhead and recovery time of the resilient HSDP path.
 
-Project issue 5, "Benchmark". Every number comes from real `mpirun --with-ft ulfm` jobs started
+The HSDP benchmark. Every number comes from real `mpirun --with-ft ulfm` jobs started
 here, one after the other (never two at once), each with a time limit; docs/bench_hsdp.md has the
 definitions, the last figures and their reading. Phases (``--phases``, default all, in this order):
 

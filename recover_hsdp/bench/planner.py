@@ -1,6 +1,6 @@
 """`recover-hsdp bench planner`: how long `recover-hsdp plan` takes at scale.
 
-Default workload (issue 3): W_init = 100,000, G_init = 8, 50,000 random failures, seed 0, JSON
+Default workload: W_init = 100,000, G_init = 8, 50,000 random failures, seed 0, JSON
 output. Prints the median over --repeat runs of
   * model   the count-level policy alone (random_plan),
   * render  turning the trace into JSON lines,

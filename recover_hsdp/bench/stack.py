@@ -1,6 +1,6 @@
 """`recover-hsdp bench stack`: the whole stack with 1 replica vs plain single-process training.
 
-Project issue 6, "Training stack", benchmark: tokens/s of llama_debug through the full resilient
+The training-stack benchmark: tokens/s of llama_debug through the full resilient
 path with ONE replica (`recover-hsdp train parallel.replicas=1 parallel.shard_size=1`: the CLI,
 mpirun --with-ft ulfm, 1 rank, FSDP, ULFM collectives, consensus, the fsync'd run record,
 parameter snapshots) against a plain single-process loop of the same model on the same data with

@@ -2,7 +2,7 @@
 
 An input every rank needs (the dataset, the tokenizer) fails every rank alike: caught in the
 ranks, it costs a start-up of the whole job, a traceback per rank, or (the hub) ~30 s of retries
-per rank. Checked here, it is one line and exit code 2 in a few seconds (issue 12):
+per rank. Checked here, it is one line and exit code 2 in a few seconds:
 
 * ``data.source=local``: every file of ``data.paths`` exists, is a regular file and is readable
   (one byte is read).

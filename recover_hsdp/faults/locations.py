@@ -38,7 +38,7 @@ ALWAYS_REACHED: frozenset[str] = frozenset(
     {FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, AGREED, PRE_STEP, OPTIMIZER_STEP})
 #: locations reached only in a step where a failure was handled (may never fire)
 CONDITIONAL: frozenset[str] = frozenset({CLOSURE, REBUILD, RE_REDUCE, EXTENSION, JOIN})
-#: kill points inside the recovery protocol itself (issue 12); not in the default random weights,
+#: kill points inside the recovery protocol itself; not in the default random weights,
 #: so random schedules drawn before they existed stay the same
 RECOVERY: frozenset[str] = frozenset({CLOSURE, AGREED, REBUILD})
 

@@ -1,4 +1,4 @@
-"""Start-up, the rank side (issue 12; docs/faults.md "Start-up"): each rank writes
+"""Start-up, the rank side (docs/faults.md "Start-up"): each rank writes
 ``ranks/start.rank{g}.json`` (pid, host, time) first thing in ``recover_hsdp.train --worker``
 (:func:`mark_start`), before torch, MPI or the store, and rewrites it at every start-up phase it
 passes (:func:`mark_phase`). The launcher's watch over these markers (StartupWatch, EndWatch) is

@@ -1,4 +1,4 @@
-"""Checkpoint and resume of the resilient trainer with torch.distributed.checkpoint (issue 14).
+"""Checkpoint and resume of the resilient trainer with torch.distributed.checkpoint.
 
 DCP needs gathers that the ``ulfm`` backend does not offer, and a world gloo group cannot shrink
 after a death. A replica holds the whole model across its S ranks, so ONE replica saves: the

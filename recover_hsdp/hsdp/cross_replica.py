@@ -191,7 +191,7 @@ class HSDPCrossReplicaGroup:
         """This rank's share of its replica's kept-loss sum (carried by the consensus)."""
         self._loss_sum = float(x)
 
-    # --- gradient statistics carried by the consensus vector (issue 13) -------------------
+    # --- gradient statistics carried by the consensus vector -------------------
     #: extra slots at the END of the consensus vector: [sum of squared norms, non-finite count]
     GRAD_STAT_SLOTS = 2
 

@@ -178,7 +178,7 @@ class HSDPULFMTrainingManager:
             restore_enabled=self.restore_enabled, log=self.log)
         return self.orch
 
-    # --- hot standbys (issue 15; recover_hsdp/hsdp/standby.py, docs/rejoin.md) --------------
+    # --- hot standbys (recover_hsdp/hsdp/standby.py, docs/rejoin.md) --------------
     @property
     def is_standby(self) -> bool:
         """An idle standby replica (not promoted yet): call standby_wait(), not train_step()."""
@@ -441,7 +441,7 @@ class HSDPULFMTrainingManager:
                 f"NaN/inf gradient: stopping (optim.max_skipped_steps={self.max_skipped_steps})")
         return metrics
 
-    # --- checkpoint / resume for custom loops (issue 14; recover_hsdp/hsdp/checkpoint.py) ------
+    # --- checkpoint / resume for custom loops (recover_hsdp/hsdp/checkpoint.py) ------
     def checkpointer(self, run_dir, *, use_async: bool = True):
         """The DCP checkpointer of this manager under ``run_dir``. Its first call creates one gloo
         group per replica (a collective over the whole world): make it on EVERY rank right after

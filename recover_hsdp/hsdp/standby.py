@@ -1,4 +1,4 @@
-"""Hot-standby replicas and their promotion at a step boundary (issue 15; docs/rejoin.md).
+"""Hot-standby replicas and their promotion at a step boundary (docs/rejoin.md).
 
 ``parallel.standby=K`` launches K extra replicas (x S ranks) in the initial world. A standby
 holds the model (same seed) but computes nothing and is in no replicate group: it only takes

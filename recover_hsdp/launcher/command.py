@@ -1,4 +1,4 @@
-"""The mpirun line and the ranks' environment (moved from recover_hsdp/launch.py, issue 25).
+"""The mpirun line and the ranks' environment (moved from recover_hsdp/launch.py).
 
 Used by `recover-hsdp train`, `recover-hsdp launch` and the checkpoint-restart baseline. Facts
 this relies on (docs/cli.md, /work/shared/notes/feasibility.md):
@@ -60,7 +60,7 @@ def ft_pml_args() -> list[str]:
 def mpirun_prefix(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
     """`mpirun [--with-ft ulfm --mca coll FT_COLL --mca pml ob1] --oversubscribe --bind-to none
     [--allow-run-as-root] -n N ...`: the line of the collectives benchmark and the MPI tests
-    (moved from collectives/launch.py's mpirun_command, issue 25).
+    (moved from collectives/launch.py's mpirun_command).
 
     --oversubscribe and --bind-to none: more ranks than cores is the normal case here, and
     binding every rank to one core would serialise them. mpi_yield_when_idle: Open MPI 5 does

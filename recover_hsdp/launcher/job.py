@@ -1,5 +1,5 @@
 """A launched training job, below both `recover-hsdp train` and the checkpoint-restart baseline
-(moved from recover_hsdp/jobs.py, issue 25).
+(moved from recover_hsdp/jobs.py).
 
 `recover_hsdp.train` composes and validates jobs, launches them and reports;
 `recover_hsdp.baselines.checkpoint_restart` relaunches one job after every failure. Both need the

@@ -12,7 +12,7 @@ Exit codes (one table for `recover-hsdp train`, `recover-hsdp launch` and the ba
   1    failed: a job did not finish (or could not start)
   2    bad flags or config, or the same user error on every replica (nothing useful ran)
   3    run.time_limit_s stopped a job
-  4    preempted: checkpointed on SIGTERM/SIGUSR1; resume it (issue 14)
+  4    preempted: checkpointed on SIGTERM/SIGUSR1; resume it
   130  interrupted (Ctrl-C / SIGTERM; the job is stopped)
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_TIME_LIMIT = 3
-EXIT_PREEMPTED = 4      # issue 14: stopped on SIGTERM/SIGUSR1 after a checkpoint; resume it
+EXIT_PREEMPTED = 4      # stopped on SIGTERM/SIGUSR1 after a checkpoint; resume it
 EXIT_INTERRUPTED = 130
 
 
@@ -233,7 +233,7 @@ def overall_exit(results: Sequence[JobResult]) -> int:
     codes = [r.exit_code for r in results]
     if EXIT_INTERRUPTED in codes:
         return EXIT_INTERRUPTED
-    if EXIT_PREEMPTED in codes:   # checkpointed on SIGTERM/SIGUSR1 (issue 14)
+    if EXIT_PREEMPTED in codes:   # checkpointed on SIGTERM/SIGUSR1
         return EXIT_PREEMPTED
     if not codes or all(c == EXIT_OK for c in codes):
         return EXIT_OK

@@ -1,5 +1,5 @@
 """`recover-hsdp launch -n N [options] -- COMMAND ARGS...`: any rank program (a custom loop over
-HSDPULFMTrainingManager) under the supervisor `recover-hsdp train` uses (issue 25).
+HSDPULFMTrainingManager) under the supervisor `recover-hsdp train` uses.
 
 The store is served here, outside the ranks; every rank runs ``COMMAND`` under
 ``python -m recover_hsdp.launcher.rank`` (its exit and its errors recorded in the run directory);

@@ -1,5 +1,5 @@
-"""The relaunch / resume policy of the resilient trainer (issue 14, docs/checkpoint.md; moved
-from recover_hsdp/resume.py, issue 25).
+"""The relaunch / resume policy of the resilient trainer (docs/checkpoint.md; moved
+from recover_hsdp/resume.py).
 
 `recover-hsdp train` hands a job here (instead of one plain launch) when checkpoint.interval
 > 0, checkpoint.resume=true, elastic.min_replicas > 0 or elastic.rejoin=true. One policy decides
@@ -356,7 +356,7 @@ def run_resilient(job) -> JobResult:
                 log_off = log.stat().st_size if log.exists() else 0
                 limit = (None if cfg.run.time_limit_s is None else
                          max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
-                watchdog, start_w = _watchers(cfg, run_dir)   # issue 12: hangs, start-up
+                watchdog, start_w = _watchers(cfg, run_dir)   # hangs, start-up
                 end_w = end_watch(cfg, run_dir, env) if start_w else None
                 th = threading.Thread(target=lambda: box.update(out=run_job(
                     cmd, env, log_path=ldir / "output.log", time_limit_s=limit,
@@ -412,7 +412,7 @@ def run_resilient(job) -> JobResult:
                 res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
                 break
             resume = latest_complete(run_dir, warn=warn)
-            with open(log, "rb") as f:       # node loss: mpirun's own words (issue 12)
+            with open(log, "rb") as f:       # node loss: mpirun's own words
                 f.seek(log_off)
                 lost_cfg, lost_msg = node_loss_config(
                     cfg, f.read().decode(errors="replace"), ldir, k)

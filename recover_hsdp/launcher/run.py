@@ -1,5 +1,5 @@
 """Running a job: start mpirun in its own session, stream its output, stop it (SIGTERM, then
-SIGKILL of what is left of its process tree). Moved from recover_hsdp/launch.py (issue 25).
+SIGKILL of what is left of its process tree). Moved from recover_hsdp/launch.py.
 
 mpirun puts every rank in its own process group; SIGTERM/SIGINT to mpirun tears the job down
 (measured: ~0.3 s). Under ``--with-ft ulfm`` mpirun exits 0 even after ranks were SIGKILLed: a

@@ -1,4 +1,4 @@
-"""Deaths during start-up, before the world forms (issue 12; docs/faults.md "Start-up").
+"""Deaths during start-up, before the world forms (docs/faults.md "Start-up").
 
 Until every rank has joined the rendezvous and built its groups, ULFM has nothing to recover: a
 rank that dies there leaves the others blocked in the TCPStore rendezvous until its timeout
@@ -26,7 +26,7 @@ is cheap and nothing was committed), then fails with one line. A rank that logge
 (``errors/``) is not retried: the same input would fail the same way; the launcher judges it.
 
 The rank side (mark_start, mark_phase, the RECOVER_HSDP_STARTUP_FAULT test seam) is
-faults/startup.py; this is the launcher's watch (moved from faults/startup.py, issue 25).
+faults/startup.py; this is the launcher's watch (moved from faults/startup.py).
 """
 from __future__ import annotations
 

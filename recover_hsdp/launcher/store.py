@@ -1,6 +1,6 @@
 """The rendezvous TCPStore is served by the launcher, outside the training ranks
 (``RECOVER_HSDP_STORE=host:port``), so rank 0 is not special; this is where it is hosted.
-(Moved from recover_hsdp/launch.py, issue 25.)
+(Moved from recover_hsdp/launch.py.)
 
 A leaf of the launcher that config/ validation uses (run.store_host): it imports no other launcher
 module (only hsdp.topology's serve_store, to serve); tests/unit/test_layering.py places it

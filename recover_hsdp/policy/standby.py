@@ -1,4 +1,4 @@
-"""Hot standbys (issue 15, docs/rejoin.md): the policy side of a join. Pure Python.
+"""Hot standbys (docs/rejoin.md): the policy side of a join. Pure Python.
 
 A promoted standby takes the SLOT of a lost replica: its replica id in the record, its data slice
 (ids k * W_init + slot) and the slice's cursor where the lost replica left it. Every id of that

@@ -1,4 +1,4 @@
-"""Checkpoints of the resilient run on disk, and its segments (issue 14; docs/checkpoint.md).
+"""Checkpoints of the resilient run on disk, and its segments (docs/checkpoint.md).
 
     run_dir/checkpoints/step_{N:06d}/     one complete checkpoint: resume at step N
         .metadata, __{i}_0.distcp          torch.distributed.checkpoint (model + optimizer)

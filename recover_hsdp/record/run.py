@@ -133,7 +133,7 @@ class RunRecorder:
         self._steps = StepWriter(self.run_dir, self.global_rank, fsync=self.fsync)
 
     def resume_segment(self, segment: int) -> None:
-        """A resumed launch (issue 14): keep meta/config of the first launch, append this rank's
+        """A resumed launch: keep meta/config of the first launch, append this rank's
         steps to steps/rank{1000*segment + g}.jsonl (recover_hsdp/record/checkpoint.py)."""
         from recover_hsdp.record.checkpoint import rank_file_offset
 

@@ -56,7 +56,7 @@ _SIG = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "raise": signal.SIGUSR1,
 #: the kinds only an outside judgement (the launcher's watchdog: faults/hung.rank*.json) ends
 JUDGED = ("stop", "wedge")
 
-# The cheapest run that still exercises everything (issue 12: the soak is >= 100 runs): a
+# The cheapest run that still exercises everything (the soak is >= 100 runs): a
 # one-block model (d_model 32, 2 heads), microbatches of 1 x 16 tokens, and no intermediate
 # parameter snapshots (verify replays every step and compares the initial and final
 # parameters; run.save_params_every=0). Start-up and the verify replay dominate a run.

@@ -117,7 +117,7 @@ def _cumsum(values) -> list[int]:
 # -- plots ------------------------------------------------------------------------------------
 
 def _resume_steps(tl: Timeline) -> list[int]:
-    """Steps at which later segments of a resumed run started (segments.jsonl, issue 14)."""
+    """Steps at which later segments of a resumed run started (segments.jsonl)."""
     from recover_hsdp.record.checkpoint import read_segments
 
     try:
@@ -129,7 +129,7 @@ def _resume_steps(tl: Timeline) -> list[int]:
 
 
 def _joins(tl: Timeline) -> list[dict]:
-    """Standby joins of a run (issue 15: the step records' extra.joins), step = the first step
+    """Standby joins of a run (the step records' extra.joins), step = the first step
     that ran after the join attempt."""
     from recover_hsdp.record import read_run
 
@@ -180,9 +180,9 @@ def _plots(out: Path, timelines: list[Timeline], rep: dict, bands: list[str], fm
         for ks in tl.kill_steps:
             if ks is not None:
                 ax.axvline(ks, color="red", lw=0.5, alpha=0.3)
-        for rs in _resume_steps(tl):          # issue 14: segments of a resumed run
+        for rs in _resume_steps(tl):          # segments of a resumed run
             ax.axvline(rs, color="black", ls=":", lw=1.0, alpha=0.7)
-        for j in _joins(tl):                  # issue 15: a standby joined before this step
+        for j in _joins(tl):                  # a standby joined before this step
             if j.get("outcome") == "joined":
                 ax.axvline(j["step"], color="green", ls="--", lw=1.0, alpha=0.7)
     ax.set_xlabel("step")

@@ -29,7 +29,7 @@ def check_before_replay(run_dir: Path, result: VerifyResult, note) -> tuple:
                            first_only=True):
         raise _Failed(v.step, f"step {v.step}: {v.message}",
                       {"kind": "record", "step": v.step, "message": v.message})
-    # issue 14: a run resumed from checkpoints (segments.jsonl) verifies as one run; across each
+    # a run resumed from checkpoints (segments.jsonl) verifies as one run; across each
     # resume every continued slice starts exactly at the checkpoint's cursor
     from recover_hsdp.record.checkpoint import contiguous_resume_violations, read_segments
 

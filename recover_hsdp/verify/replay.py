@@ -305,7 +305,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
         raise failed[0]
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
     if result.steps_compared == 0:
-        # nothing but the records was checked: not a verdict on the parameters (issue 26)
+        # nothing but the records was checked: not a verdict on the parameters
         result.ok, result.exit_code = False, EXIT_ERROR
         result.message = (f"verify: NOT VERIFIED  steps={result.steps_replayed} replayed, "
                           f"compared=0: no parameter snapshot of a replayed step "
@@ -418,7 +418,7 @@ def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool
         for p in params:
             if p.grad is not None:
                 p.grad.div_(rec.divisor)
-        # optim.grad_clip and the non-finite skip, as the run applied them (issue 13)
+        # optim.grad_clip and the non-finite skip, as the run applied them
         _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_at(step).clip)
     set_lr(optimizer, float(lr_at(step, spec.optim_at(step))))
     if (rec.extra or {}).get("skipped") or nonfinite:

@@ -1,4 +1,4 @@
-"""Issue 12: an exception in one rank is a fail-stop the survivors see; the same error on every
+"""An exception in one rank is a fail-stop the survivors see; the same error on every
 rank ends the job with one line and a non-zero exit; a hung (SIGSTOPped) rank is found and killed
 by the launcher's watchdog. Real processes under `mpirun --with-ft ulfm`, time-boxed."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HSDP under real kills: a table of schedules over the tiny debug model (issue 5's proof).
+"""HSDP under real kills: a table of schedules over the tiny debug model (proof).
 
 Every row launches `mpirun --with-ft ulfm` with W x S ranks; the scheduled ranks SIGKILL
 themselves at the named points. Each run must commit every requested step (none skipped), every
@@ -47,7 +47,7 @@ def K(step, replica, location, local_rank=0, **kw):
 
 
 # (id, W, S, G, schedule, policy[, steps]) -- each row is one mpirun job. Rows whose kills
-# would leave spare survivors share ONE launch (CI time, issue 12): the schedules of former rows
+# would leave spare survivors share ONE launch (CI time): the schedules of former rows
 # run one after the other (a step apart), each with its own predicted path below, at a width W and
 # grad_accum G whose layouts have NO spare replica at any step (checked: _check_path), so every
 # kill keeps the path it had in its own row (a spare changes it: W4S1-spare-promotion-blocking).

@@ -1,4 +1,4 @@
-"""A custom loop under `recover-hsdp launch` (issue 25): tests/e2e/_raising_loop.py, a loop over
+"""A custom loop under `recover-hsdp launch`: tests/e2e/_raising_loop.py, a loop over
 HSDPULFMTrainingManager, W=3 S=1, supervised as `recover-hsdp train` is. A rank SIGKILLed or
 raising at step 2 (the loop itself does it when it reaches the step: no timing): the survivors
 commit every step, the launch exits 0 and names the lost rank and its cause; -n that is not the

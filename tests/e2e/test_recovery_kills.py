@@ -1,4 +1,4 @@
-"""Deaths INSIDE the recovery under real kills (issue 12): two and three kills in one step that
+"""Deaths INSIDE the recovery under real kills: two and three kills in one step that
 land in the consensus closure, before the agreed vector, while the replicate groups are rebuilt
 and during the re-reduce; groups of two (from W=3) and three (from W=4) kills, S=1 and S=2.
 

@@ -1,4 +1,4 @@
-"""Rejoin through hot standbys (issue 15, docs/rejoin.md), real processes under
+"""Rejoin through hot standbys (docs/rejoin.md), real processes under
 `mpirun --with-ft ulfm`: W=3 replicas + standbys, the small model, real SIGKILLs.
 
 * S=2: a replica killed at step 2; the first standby killed while it heals (that join is

@@ -1,4 +1,4 @@
-"""The rejoin policy end to end (issue 15, docs/rejoin.md "The policy"): `recover-hsdp train
+"""The rejoin policy end to end (docs/rejoin.md "The policy"): `recover-hsdp train
 elastic.rejoin=true` as a user runs it, real SIGKILLs under `mpirun --with-ft ulfm`.
 
 * W=3, no standby, elastic.max_rejoins=1: replica 1 killed at step 3; the ranks checkpoint before

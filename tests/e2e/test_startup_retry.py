@@ -1,4 +1,4 @@
-"""Issue 12: a rank that dies during start-up (before the world forms) is noticed by the launcher
+"""A rank that dies during start-up (before the world forms) is noticed by the launcher
 within seconds (not after the ranks' 60 s store timeout) and the launch is retried once
 (elastic.start_retries); the relaunched job commits every step. Real processes, time-boxed."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 27, "two nodes in CI": `recover-hsdp train` across two namespaced nodes
+"""Two nodes in CI: `recover-hsdp train` across two namespaced nodes
 (tests/e2e/_netns.py: a network + UTS namespace each, a prted per node, TCP between them),
 W=4 S=2 with ranks 0-3 (replicas 0, 1) on node 0 and ranks 4-7 (replicas 2, 3) on node 1.
 

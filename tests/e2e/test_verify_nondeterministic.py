@@ -1,4 +1,4 @@
-"""verify on a NONDETERMINISTIC device (issue 24 item 6), proven on CPU with the nondeterminism
+"""verify on a NONDETERMINISTIC device, proven on CPU with the nondeterminism
 injected: CUDA's SDPA backward adds atomically, so a bf16 run's gradients differ from the
 replay's by bf16 ulps. The test seam RECOVER_HSDP_TEST_NONDET=0.5 moves each element of dq, dk
 and dv one ulp up or down with probability 0.5 each (a generator seeded anew in every rank: the

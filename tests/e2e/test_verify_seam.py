@@ -1,4 +1,4 @@
-"""verify rejects a REAL trainer that commits one wrong step (issue 16, the B = 4 rows).
+"""verify rejects a REAL trainer that commits one wrong step (the B = 4 rows).
 
 The test-only fault seam (recover_hsdp/faults/seam.py: RECOVER_HSDP_TEST_FAULT, honoured only with
 RECOVER_HSDP_ALLOW_TEST_FAULT=1) makes the running ranks add one microbatch, drop one, count one

@@ -1,4 +1,4 @@
-"""A custom loop like examples/custom_loop.py with the README's checkpoint calls (issue 14), for
+"""A custom loop like examples/custom_loop.py with the README's checkpoint calls, for
 tests/mpi/test_custom_loop_checkpoint_mpi.py. Run on 2 ranks (2 replicas x 1 shard):
 
     NP=2 launch/local.sh python tests/mpi/custom_loop_ckpt_worker.py RUN_DIR STEPS SAVE_EVERY [resume]

@@ -1,4 +1,4 @@
-"""The baselines end to end (issue 7): real `recover-hsdp train`, real mpirun, real SIGKILL.
+"""The baselines end to end: real `recover-hsdp train`, real mpirun, real SIGKILL.
 
 * baseline=reference (plain FSDP1 HYBRID_SHARD over torch's own gloo groups, no ULFM) gives the
   same loss at every step as a failure-free resilient run with the same seed (W=2 S=1, W=2 S=2).

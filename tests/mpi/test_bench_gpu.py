@@ -1,4 +1,4 @@
-"""`recover-hsdp bench gpu` in its CPU shape (issue 13): the one-command GPU bench stays alive in
+"""`recover-hsdp bench gpu` in its CPU shape: the one-command GPU bench stays alive in
 CI. Sections 1-4 with small shapes (section 5 needs >= 2 GPUs: recorded as skipped)."""
 from __future__ import annotations
 

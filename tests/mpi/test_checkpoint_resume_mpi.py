@@ -1,4 +1,4 @@
-"""Checkpoint / resume of the resilient trainer with real processes (issue 14).
+"""Checkpoint / resume of the resilient trainer with real processes.
 
 Each test runs `recover-hsdp train` as a user would, interrupts it for real (SIGKILL of the
 launcher, SIGKILL of every rank, SIGUSR1, a change of shape) and requires the run directory to

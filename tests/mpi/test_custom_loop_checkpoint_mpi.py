@@ -1,4 +1,4 @@
-"""HSDPULFMTrainingManager.save / load inside a custom loop (issue 14), real processes: an
+"""HSDPULFMTrainingManager.save / load inside a custom loop, real processes: an
 uninterrupted run, and the same run checkpointed every 2 steps, its whole job SIGKILLed while the
 test gate holds it before step 7 (checkpoints 2 and 4 complete, 6 still in flight), and resumed with mgr.load: the final
 parameters are the uninterrupted run's."""

@@ -1,4 +1,4 @@
-"""Issue 13 end to end: global-norm clipping and the non-finite skip, through `recover-hsdp train`
+"""End to end: global-norm clipping and the non-finite skip, through `recover-hsdp train`
 and `recover-hsdp verify` (real mpirun --with-ft ulfm, real SIGKILL).
 
 * clipping at S=2 with a kill in the reduction: the norm is summed over the shard ranks in the

@@ -1,4 +1,4 @@
-"""Issue 24 item 9: every launch path puts ``--mca pml ob1`` on the mpirun line, and a launch
+"""Every launch path puts ``--mca pml ob1`` on the mpirun line, and a launch
 REALLY runs on ob1 (Open MPI's own selection log, ``pml_base_verbose``), even when the
 environment asks for UCX (``OMPI_MCA_pml=ucx``: ULFM is not supported over UCX; without the
 explicit argument Open MPI tries ucx and, here, finds no PML at all)."""

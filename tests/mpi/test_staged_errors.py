@@ -1,4 +1,4 @@
-"""Issue 24 item 8 (csrc/UlfmComm.cpp): an error inside the staged all-reduce loop syncs and
+"""Csrc/UlfmComm.cpp: An error inside the staged all-reduce loop syncs and
 revokes (RAII guard), so the peers return a failure within 5 s instead of blocking in
 MPI_Allreduce until a fail-stop; and the chunking is agreed by every member at world creation,
 so ranks with another RECOVER_HSDP_STAGE_CHUNK_MB, or on another path (staged vs direct), post

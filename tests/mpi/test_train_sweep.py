@@ -1,4 +1,4 @@
-"""`recover-hsdp train -m`: a real sweep of two combinations (project issue 6).
+"""`recover-hsdp train -m`: a real sweep of two combinations.
 
 Two REAL jobs, one after the other (the real trainer, recover_hsdp.workers.resilient.run_worker, under
 `mpirun --with-ft ulfm`): parallel.replicas=1 (1 rank) and parallel.replicas=2 (2 ranks), each

@@ -1,5 +1,5 @@
 """The README's main job (shortened) and `failures=random` with two seeds pass `recover-hsdp verify`
-(issue 16). Each is the command a user types (`recover-hsdp train` then `recover-hsdp verify`),
+. Each is the command a user types (`recover-hsdp train` then `recover-hsdp verify`),
 with the small chaos model and run.save_params_every at its default (auto: every step here); the
 random schedules' ids are re-derived by verify's independent derivation (verify/expected.py)
 from the recorded failure events.

@@ -1,4 +1,4 @@
-"""Budgets that add up (issue 27): in every test function under tests/, the literal inner
+"""Budgets that add up: in every test function under tests/, the literal inner
 timeouts (``timeout=N`` in a call, ``Deadline(N)``, and the numeric ``timeout`` default of a
 same-module helper called without one) must sum to no more than the test's pytest timeout (its
 mark, the module's pytestmark, else pyproject's 300 s). A test hands its one budget down
@@ -14,7 +14,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 DEFAULT_S = 300.0
-#: files another change rewrites (their chained launches move to a test gate, issue 27)
+#: files another change rewrites (their chained launches move to a test gate)
 NOT_YET: set[str] = set()
 
 

@@ -1,4 +1,4 @@
-"""`recover-hsdp chaos --standby K` (issue 15): which rank blocks it may fault, and how a faulted
+"""`recover-hsdp chaos --standby K`: which rank blocks it may fault, and how a faulted
 block is found reported lost in a run record with standbys (a replica slot, a standby lost idle,
 an abandoned join, a promoted standby's slot). No processes."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoint bookkeeping of the resilient trainer (issue 14) without MPI: completeness,
+"""Checkpoint bookkeeping of the resilient trainer without MPI: completeness,
 discovery, the data position across a resume, step truncation, the launcher's input checks."""
 from __future__ import annotations
 

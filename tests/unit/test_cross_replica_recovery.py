@@ -1,4 +1,4 @@
-"""Deaths inside the recovery of HSDPCrossReplicaGroup.consensus (issue 12), in one process.
+"""Deaths inside the recovery of HSDPCrossReplicaGroup.consensus, in one process.
 
 A small in-process ULFM (threads = global ranks; communicators that Detect -> Repair uniformly;
 deaths on command at the group's kill points) drives the real HSDPCrossReplicaGroup with S

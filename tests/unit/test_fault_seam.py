@@ -1,5 +1,5 @@
 """The verifier's test-only fault seam is off by default and refused unless explicitly allowed;
-run.save_params_every=auto is derived from the snapshot size (issue 16)."""
+run.save_params_every=auto is derived from the snapshot size."""
 from __future__ import annotations
 
 import pytest
@@ -69,7 +69,7 @@ def test_explicit_interval_kept():
         snapshot_every(-1, 1)
 
 
-# --- RECOVER_HSDP_TEST_NONDET: a nondeterministic attention backward (issue 24 item 6) --------
+# --- RECOVER_HSDP_TEST_NONDET: a nondeterministic attention backward --------
 def test_nondet_seam_is_refused_without_the_allow_variable_and_checked():
     from recover_hsdp.faults import seam
 

@@ -1,4 +1,4 @@
-"""Issue 24: the first GPU run must work the first time. Resolved on CPU with CUDA faked (a
+"""The first GPU run must work the first time. Resolved on CPU with CUDA faked (a
 patched ``torch.cuda``): device mapping, backend choice, shard barrier, distinct GPUs, NCCL
 bounds, core dumps."""
 from __future__ import annotations

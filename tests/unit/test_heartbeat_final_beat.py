@@ -1,4 +1,4 @@
-"""Issue 24 item 7: the heartbeat thread and mark_done write one file; the LAST write of a clean
+"""The heartbeat thread and mark_done write one file; the LAST write of a clean
 exit must say done=true, and the reaper must not count a rank whose last beat says done as dead.
 
 The interleaving that broke it is forced, not hoped for: the heartbeat thread is held between

@@ -1,4 +1,4 @@
-"""`recover-hsdp launch` (launcher/launch_cmd.py, issue 25): its argument errors are one line and
+"""`recover-hsdp launch` (launcher/launch_cmd.py): its argument errors are one line and
 exit 2, before anything starts; --help explains the exit codes; the judgement of a run from what
 its ranks left (launcher/judge.py judge_launch) on planted run directories."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fixed cost of a launch (issue 12's CI budget): what a rank, the launcher and verify import.
+"""The fixed cost of a launch (CI budget): what a rank, the launcher and verify import.
 
 Each check runs in a fresh interpreter (what is imported is process-global) and can fail: it
 names the module that should not have been loaded, or the parameter that differs.
@@ -132,7 +132,7 @@ print("not reached")
 
 
 def test_the_launcher_package_imports_no_torch():
-    """launcher/ (the supervisor, issue 25) imports no torch at module level: every module of
+    """launcher/ (the supervisor) imports no torch at module level: every module of
     it loads in a fresh interpreter without torch (the store and serve_store load it lazily)."""
     mods = sorted(p.stem for p in (REPO / "recover_hsdp" / "launcher").glob("*.py")
                   if p.stem != "__init__")

@@ -354,7 +354,7 @@ def test_planted_private_import_is_caught(tree):
 
 
 def test_planted_circle_is_caught(tree):
-    # the circle issue 18 removed: checkpoint_restart took exit codes back from train
+    # a circle once removed: checkpoint_restart took exit codes back from train
     _plant(tree, "baselines/checkpoint_restart.py", "from recover_hsdp.train import EXIT_OK")
     assert ["recover_hsdp.baselines", "recover_hsdp.train"] in cycles(tree)
 
@@ -389,3 +389,23 @@ def test_planted_unplaced_package_is_caught(tree):
     (tree / "newpkg").mkdir()
     (tree / "newpkg" / "__init__.py").write_text("")
     assert unplaced_modules(tree) == ["recover_hsdp.newpkg"]
+
+
+def _issue_numbers(root: pathlib.Path) -> list[str]:
+    import re
+
+    pat = re.compile(r"\bissues? ?#?\d+", re.I)
+    return [f"{p.relative_to(root.parent)}:{i}" for p in sorted(root.rglob("*.py"))
+            for i, ln in enumerate(p.read_text().splitlines(), 1) if pat.search(ln)]
+
+
+def test_no_issue_numbers_in_the_package_or_test_file_names():
+    # a reader without the tracker learns nothing from "issue 15": say what the thing is
+    assert _issue_numbers(ROOT) == []
+    tests = ROOT.parent / "tests"
+    assert [p.name for p in tests.rglob("*.py") if "issue" in p.name.lower()] == []
+
+
+def test_planted_issue_number_is_caught(tree):
+    _plant(tree, "types.py", "# see issue 12")
+    assert any(x.startswith("recover_hsdp/types.py") for x in _issue_numbers(tree))

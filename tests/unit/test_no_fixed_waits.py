@@ -1,4 +1,4 @@
-"""No fixed wait orders events in tests/ (issue 27): a test waits on the event itself (a gate
+"""No fixed wait orders events in tests/: a test waits on the event itself (a gate
 marker, a file, a pipe, a death through pidfd), never on a sleep, an Event.wait(t) whose result
 is dropped, or a poll period that races the job.
 

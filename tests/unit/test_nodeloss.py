@@ -1,4 +1,4 @@
-"""Node loss (recover_hsdp/launcher/nodeloss.py, issue 12): mpirun's "lost a remote daemon" is
+"""Node loss (recover_hsdp/launcher/nodeloss.py): mpirun's "lost a remote daemon" is
 recognised with the node's name, and the restart is planned on the hostfile minus that node at
 the widest W' that fits and divides B (G' = B / W')."""
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_planner_agrees_with_the_id_level_policy():
 
 
 def test_scale_100k_replicas_50k_failures():
-    """Issue 3's scale point. The time is printed by `recover-hsdp bench planner`; here a loose
+    """The planner's scale point. The time is printed by `recover-hsdp bench planner`; here a loose
     ceiling only (the machine is shared), to catch an accidental O(W) per failure."""
     t = time.perf_counter()
     rc, text = run(["-W", "100000", "-G", "8", "--failures", "50000", "--seed", "0", "--json"])

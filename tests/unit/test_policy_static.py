@@ -1,4 +1,4 @@
-"""StaticWorldPolicy: the paper's worked example exactly, and the cases issue 3 names."""
+"""StaticWorldPolicy: the paper's worked example exactly, and the cases its spec names."""
 from __future__ import annotations
 
 import pytest

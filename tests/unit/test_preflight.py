@@ -1,4 +1,4 @@
-"""Launcher-side input checks (recover_hsdp/data/preflight.py, issue 12): a dataset every rank
+"""Launcher-side input checks (recover_hsdp/data/preflight.py): a dataset every rank
 needs is refused up front with one line naming what to set instead, and the hub probe is
 bounded (an unreachable hub costs seconds, not the ~30 s of `datasets` retries per rank)."""
 from __future__ import annotations

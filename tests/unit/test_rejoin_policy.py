@@ -1,4 +1,4 @@
-"""Hot standbys (issue 15, docs/rejoin.md) without processes: the config key, the policy's join
+"""Hot standbys (docs/rejoin.md) without processes: the config key, the policy's join
 (slot resumed, layout grown back, B kept), exactly-once ids across a join, and the verifier's
 independent derivation of joined runs."""
 from __future__ import annotations

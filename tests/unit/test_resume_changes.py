@@ -1,4 +1,4 @@
-"""What a resume may change (recover_hsdp/launcher/resume.py check_resume, resume_changes; issue 26): a
+"""What a resume may change (recover_hsdp/launcher/resume.py check_resume, resume_changes): a
 longer run.steps and the optimizer's schedule and clip go through with a notice; the model, the
 seed and the optimizer's kind and moments stay refused, one line naming the key."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hot standbys in the world rounds of HSDPCrossReplicaGroup.consensus (issue 15), in one process.
+"""Hot standbys in the world rounds of HSDPCrossReplicaGroup.consensus, in one process.
 
 The in-process ULFM of test_cross_replica_recovery (threads = ranks, uniform Detect -> Repair,
 deaths at the group's kill points) drives W replicas that run steps and K standbys that only loop

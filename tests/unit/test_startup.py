@@ -1,5 +1,5 @@
 """Deaths before the world forms (launcher/startup.py; the rank side is faults/startup.py;
-issue 12): the launcher's StartupWatch sees a dead starting rank at once, a start that makes no progress for its bound
+the launcher's StartupWatch sees a dead starting rank at once, a start that makes no progress for its bound
 (never a slow one that does), and
 nothing once the world formed; the test seam kills a rank on the first launch only."""
 from __future__ import annotations

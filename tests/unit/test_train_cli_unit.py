@@ -50,7 +50,7 @@ SUBPROCESS_CASES = {
     "vocab": (["model.vocab_size=999"], "model.vocab_size(999) != the vocab size"),
     "schedule": (["failures.schedule=bad_schedule.yaml"],
                  "failures.schedule[0]: replica 9 out of range [0, 2)"),
-    # issue 12: inputs every rank needs are checked by the launcher (one line, exit 2, fast);
+    # inputs every rank needs are checked by the launcher (one line, exit 2, fast);
     # the hub is made unreachable by HF_ENDPOINT below (connection refused, no 30 s retries);
     # missing files: test_missing_inputs_refused_before_launch (in process, same error path)
     "hub": (["data=c4"], "the Hugging Face hub, which is not reachable from this machine"),
@@ -140,7 +140,7 @@ def test_mpirun_command_as_root_and_not(monkeypatch):
     assert "--allow-run-as-root" not in cmd and cmd[1:12] == [
         "--with-ft", "ulfm", "--mca", "coll", "self,basic,tuned,libnbc,ftagree",
         "--mca", "pml", "ob1", "--oversubscribe", "-n", "2"]
-    assert "han" not in cmd[5].split(",")      # failure-safe collectives only (issue 12)
+    assert "han" not in cmd[5].split(",")      # failure-safe collectives only
 
 
 def test_rank_env_and_exports():

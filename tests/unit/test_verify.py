@@ -197,7 +197,7 @@ def test_records_only_skips_replay(copy, capsys):
 
 def test_a_run_whose_snapshots_are_gone_is_not_verified(copy, capsys):
     """Nothing but the records checked is no verdict on the parameters: exit 2 naming what was
-    checked (issue 26), unless --records-only asked for exactly that."""
+    checked, unless --records-only asked for exactly that."""
     shutil.rmtree(copy / "params")
     rc, out = _verify(copy, capsys=capsys)
     assert rc == 2 and "NOT VERIFIED" in out and "compared=0" in out, out

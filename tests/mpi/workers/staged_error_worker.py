@@ -1,4 +1,4 @@
-"""Issue 24 item 8, two ranks: the staged (CUDA) all-reduce loop run on CPU through the test hook.
+"""Two ranks: the staged (CUDA) all-reduce loop run on CPU through the test hook.
 
 A: rank 0 staged, rank 1 direct, each with ANOTHER RECOVER_HSDP_STAGE_CHUNK_MB: the chunking
    agreed at world creation makes them post the same MPI_Allreduce sequence (exact sum).

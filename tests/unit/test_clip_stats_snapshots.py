@@ -1,4 +1,4 @@
-"""Issue 13 (the GPU path at 1B): clipping helpers, the consensus-vector grad stats, snapshots only
+"""The GPU path at 1B: clipping helpers, the consensus-vector grad stats, snapshots only
 when due, mixed-precision / device resolution, the FSDP-internals import check, the llama preset,
 and the bench-gpu arithmetic. No MPI here (tests/mpi/test_grad_clip.py, test_bench_gpu.py)."""
 from __future__ import annotations
