@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import os
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from recover_hsdp.faults import failstop
+from recover_hsdp.hsdp.state_dicts import load_state_dicts, stage, state_dicts
 from recover_hsdp.policy import DataAssignment, PolicyError
 from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, prune,
                                             read_state, tmp_path)
@@ -36,55 +36,6 @@ ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by 
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
 ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": run.rejoin and rejoins left (the launcher)
 STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
-
-
-def _state_dicts(mgr) -> dict:
-    """{"model", "optim"}: FSDP SHARDED state dicts of this rank. FSDP's optimizer state dict
-    gathers keys over the group it is given, else the WORLD (which holds other replicas, and
-    dead ranks): always the replica's own shard group here."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-
-    _init_optim_state(mgr.optimizer)
-    with warnings.catch_warnings(), \
-            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
-        warnings.simplefilter("ignore")      # ShardedTensor / state_dict_type deprecations
-        return {"model": mgr.module.state_dict(),
-                "optim": FSDP.optim_state_dict(mgr.module, mgr.optimizer, group=mgr.shard_pg)}
-
-
-def _load_state_dicts(mgr, state: dict) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-
-    with warnings.catch_warnings(), \
-            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
-        warnings.simplefilter("ignore")
-        mgr.module.load_state_dict(state["model"])
-        osd = FSDP.optim_state_dict_to_load(mgr.module, mgr.optimizer, state["optim"],
-                                            group=mgr.shard_pg)
-        mgr.optimizer.load_state_dict(osd)
-
-
-def _stage(obj):
-    """A CPU copy of a state dict (DCP's own async stager refuses FSDP1's ShardedTensors)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    warnings.simplefilter("ignore", FutureWarning)
-
-    if isinstance(obj, ShardedTensor):
-        shards = [Shard(sh.tensor.detach().to("cpu", copy=True), sh.metadata)
-                  for sh in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _stage(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_stage(v) for v in obj)
-    return obj
 
 
 class SliceDataAssignment(DataAssignment):
@@ -226,7 +177,7 @@ class ResilientCheckpointer:
         self.wait()
         tmp = tmp_path(self.run_dir, step, self.segment)
         tmp.mkdir(parents=True, exist_ok=True)
-        state = _state_dicts(self.mgr)
+        state = state_dicts(self.mgr)
         meta = self._state(step)
         final = ckpt_path(self.run_dir, step)
         use_async = self.use_async if sync is None else not sync
@@ -235,7 +186,7 @@ class ResilientCheckpointer:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")
-            staged = _stage(state)
+            staged = stage(state)
             fut = self._pool.submit(dcp.save, staged, checkpoint_id=str(tmp),
                                     process_group=self.pg)
             self.pending = (fut, tmp, final, meta, t0)
@@ -304,9 +255,9 @@ class ResilientCheckpointer:
         if int(st["B"]) != int(mgr.policy.B):
             raise ValueError(f"{path} was saved with B={st['B']} microbatches per step; this "
                              f"manager has replicas x grad_accum = {mgr.policy.B}")
-        state = _state_dicts(mgr)
+        state = state_dicts(mgr)
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
-        _load_state_dicts(mgr, state)
+        load_state_dicts(mgr, state)
         self.w0 = int(st["w_init"])
         self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
         streams = assign_streams(self.slices, int(mgr.policy.w_init))
