@@ -26,6 +26,7 @@ import atexit
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -191,9 +192,10 @@ def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Pat
 
 
 def _first_of_cause(path: Path, rec: dict) -> bool:
-    """True for the first rank (on this node) to fail with this cause (class, message, where):
-    it alone prints the traceback on the console, the others one line."""
-    key = f"{rec['class']}|{rec['message']}|{rec['where']}".encode()
+    """True for the first rank (on this node) to fail with this cause (class, message with its
+    numbers masked, where): it alone prints the traceback on the console, the others one line."""
+    msg = re.sub(r"\d+", "N", rec["message"])     # the step or rank it names: one cause
+    key = f"{rec['class']}|{msg}|{rec['where']}".encode()
     mark = path.parent / f"cause-{hashlib.sha1(key).hexdigest()[:12]}"
     try:
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,8 +30,9 @@ import torch.distributed as dist
 from recover_hsdp.faults import failstop
 from recover_hsdp.hsdp.state_dicts import load_state_dicts, stage, state_dicts
 from recover_hsdp.policy import DataAssignment, PolicyError
-from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, prune,
-                                            read_state, tmp_path)
+from recover_hsdp.faults.seam import enospc_writer
+from recover_hsdp.record.checkpoint import (STATE_FORMAT, CheckpointDiskError, ckpt_path,
+                                            disk_error, finalize, prune, read_state, tmp_path)
 
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
@@ -176,22 +178,31 @@ class ResilientCheckpointer:
         t0 = time.perf_counter()
         self.wait()
         tmp = tmp_path(self.run_dir, step, self.segment)
-        tmp.mkdir(parents=True, exist_ok=True)
-        state = state_dicts(self.mgr)
         meta = self._state(step)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._disk_failure(e, tmp, meta)
+            raise
+        state = state_dicts(self.mgr)
         final = ckpt_path(self.run_dir, step)
         use_async = self.use_async if sync is None else not sync
+        write = enospc_writer(dcp.save, step)
         if use_async:   # staged copy now; DCP (its collectives on ckpt_pg) in a thread
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")
             staged = stage(state)
-            fut = self._pool.submit(dcp.save, staged, checkpoint_id=str(tmp),
+            fut = self._pool.submit(write, staged, checkpoint_id=str(tmp),
                                     process_group=self.pg)
             self.pending = (fut, tmp, final, meta, t0)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
+            try:
+                write(state, checkpoint_id=str(tmp), process_group=self.pg)
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException included
+                self._disk_failure(e, tmp, meta)
+                raise
             self._finish(tmp, final, meta, t0)
         held = time.perf_counter() - t0
         self._event({"event": "save", "step": int(step), "held_s": round(held, 6),
@@ -213,7 +224,11 @@ class ResilientCheckpointer:
             return
         meta["files"] = {p.name: p.stat().st_size for p in tmp.iterdir()
                          if p.is_file() and p.name.endswith(".distcp")}
-        finalize(tmp, final, meta)
+        try:
+            finalize(tmp, final, meta)
+        except OSError as e:          # state.json or COMPLETE on a full disk: never complete
+            self._disk_failure(e, final if final.exists() else tmp, meta)
+            raise
         self._event({"event": "complete", "step": int(meta["step"]),
                      "save_to_complete_s": round(time.perf_counter() - t0, 6)})
         self.log(f"checkpoint {final} complete ({time.perf_counter() - t0:.2f} s)")
@@ -221,6 +236,25 @@ class ResilientCheckpointer:
         if gone:
             self.pruned += gone
             self._event({"event": "pruned", "steps": gone})
+
+    def _disk_failure(self, exc: BaseException, partial: Path, meta: dict) -> None:
+        """A save that failed on the disk (full, read-only, quota, I/O error): the partial
+        directory goes (it never looked complete; its space comes back) and the rank leaves as
+        a fail-stop with ONE line naming the disk and the newest complete checkpoint, which is
+        intact (CheckpointDiskError). Any other failure: return (the caller decides)."""
+        disk = disk_error(exc)
+        if disk is None:
+            return
+        from recover_hsdp.record.checkpoint import latest_complete
+
+        shutil.rmtree(partial, ignore_errors=True)
+        prev = latest_complete(self.run_dir, warn=lambda s: None)
+        kept = (f"the newest complete checkpoint {prev[0].name} is intact" if prev is not None
+                else "no complete checkpoint yet")
+        failstop.set_context("checkpoint save", int(meta["step"]))
+        raise CheckpointDiskError(disk.errno, f"checkpoint step {meta['step']} not saved: "
+                                  f"{disk.strerror or disk} ({disk.filename or partial}); "
+                                  f"{kept}") from exc
 
     def poll(self) -> None:
         """Finish an asynchronous save whose writes are done (call at step boundaries)."""
@@ -234,7 +268,10 @@ class ResilientCheckpointer:
         self.pending = None
         try:
             fut.result()
-        except Exception as e:  # noqa: BLE001 - a peer of the saving replica died mid-save
+        except BaseException as e:  # noqa: BLE001 - a peer of the saving replica died mid-save
+            self._disk_failure(e, tmp, meta)
+            if not isinstance(e, Exception):
+                raise
             self.log(f"warning: checkpoint step {meta['step']} abandoned: "
                      f"{' '.join(str(e).split())[:200]}")
             return
