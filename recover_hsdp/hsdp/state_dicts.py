@@ -19,13 +19,15 @@ import torch
 
 #: torch's own warnings about FSDP1's sharded state dicts, which a user cannot act on: the
 #: ShardedTensor deprecation (FSDP1's SHARDED_STATE_DICT is made of them, torch 2.11-2.13), the
-#: state-dict-type setting (the optimizer's group below) and the device query of torch's
-#: optimizer-key check. Filtered by message, once per process (thread-safe, unlike
-#: catch_warnings: an asynchronous save writes from a thread), so nothing else is hidden.
+#: state-dict-type setting (the optimizer's group below), the device query of torch's
+#: optimizer-key check and, at S=1 (NO_SHARD), that the state dict is the full one. Filtered
+#: by message, once per process (thread-safe, unlike catch_warnings: an asynchronous save
+#: writes from a thread), so nothing else is hidden.
 _TORCH_NOISE = ((FutureWarning, r"Please use DTensor instead and we are deprecating Sharded"),
                 (FutureWarning, r"FSDP\.state_dict_type\(\) and FSDP\.set_state_dict_type\(\)"),
                 (UserWarning, r"`_get_pg_default_device` will be deprecated"),
-                (UserWarning, r"Multiple backends are registered with this ProcessGroup"))
+                (UserWarning, r"Multiple backends are registered with this ProcessGroup"),
+                (UserWarning, r"When using ``NO_SHARD`` for ``ShardingStrategy``"))
 
 
 def quiet_torch_checkpoint_warnings() -> None:
