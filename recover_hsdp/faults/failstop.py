@@ -23,11 +23,14 @@ one line, non-zero exit (launcher/judge.py ``common_error``, which reads errors/
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -69,7 +72,8 @@ _PEER_PATTERNS = (
 )
 
 _state: dict[str, Any] = {"run_dir": None, "rank": None, "replica": None, "where": None,
-                          "step": None, "hooked": False}
+                          "step": None, "hooked": False,
+                          "unwritable": None}
 
 
 def configure(run_dir: Optional[os.PathLike | str] = None, rank: Optional[int] = None,
@@ -139,48 +143,92 @@ def error_record(exc: BaseException, where: Optional[str] = None) -> dict:
             "exit_code_hint": 2 if name in CONFIG_ERRORS or code == 2 else 1}
 
 
+def fallback_dir(run_dir: os.PathLike | str) -> Path:
+    """Where a rank's error record goes when ``errors/`` cannot be written (a full or read-only
+    disk): /dev/shm (memory: writable on a full disk), else the temp directory, in a folder
+    named after the run directory (the launcher on this node finds it: :func:`read_errors`)."""
+    tag = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"recover_hsdp-errors-{tag}"
+
+
+def _write_record(ed: Path, rec: dict, tb: str) -> Path:
+    ed.mkdir(parents=True, exist_ok=True)
+    g = rec["rank"]
+    (ed / f"rank{g}.traceback.txt").write_text(tb)
+    path = ed / f"rank{g}.json"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(dict(rec, traceback=str(ed / f"rank{g}.traceback.txt")),
+                           sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+
+
 def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Path]:
-    """Write errors/rank{g}.json (one line) and errors/rank{g}.traceback.txt; never raises."""
+    """Write errors/rank{g}.json (one line) and errors/rank{g}.traceback.txt; when errors/
+    cannot be written, the same into :func:`fallback_dir` (``_state["unwritable"]`` says why);
+    None when neither could be written. Never raises."""
     rec = error_record(exc, where)
     d = _run_dir()
-    path = None
+    _state["unwritable"] = None
+    if d is None:
+        return None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        if d is not None:
-            ed = d / ERRORS_DIR
-            ed.mkdir(parents=True, exist_ok=True)
-            g = rec["rank"]
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            (ed / f"rank{g}.traceback.txt").write_text(tb)
-            path = ed / f"rank{g}.json"
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as f:
-                f.write(json.dumps(rec, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except Exception:  # a full disk must not keep a failed rank alive
-        path = None
-    return path
+        return _write_record(d / ERRORS_DIR, rec, tb)
+    except Exception as e:  # noqa: BLE001 - a full disk must not keep a failed rank alive
+        _state["unwritable"] = _one_line(e)
+    try:
+        return _write_record(fallback_dir(d), rec, tb)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _first_of_cause(path: Path, rec: dict) -> bool:
+    """True for the first rank (on this node) to fail with this cause (class, message with its
+    numbers masked, where): it alone prints the traceback on the console, the others one line."""
+    msg = re.sub(r"\d+", "N", rec["message"])     # the step or rank it names: one cause
+    key = f"{rec['class']}|{msg}|{rec['where']}".encode()
+    mark = path.parent / f"cause-{hashlib.sha1(key).hexdigest()[:12]}"
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except OSError:
+        return False
 
 
 def fail_stop(exc: BaseException, where: Optional[str] = None,
               kill: Optional[Callable[[], None]] = None) -> None:
     """Log ``exc`` (one line on stderr + the run record), then leave by SIGKILL. Never returns
-    (unless ``kill`` returns, in tests). A peer failure leaves as "replica lost" instead."""
+    (unless ``kill`` returns, in tests). A peer failure leaves as "replica lost" instead.
+
+    When errors/ cannot be written the record goes to :func:`fallback_dir` and the line says
+    so; the traceback is then printed once per distinct cause (by the first rank with it), never
+    by every rank; only when nothing at all can be written does the rank print its own."""
     if is_peer_failure(exc):
         replica_lost_exit(f"rank {_rank()}: shard group failed: "
                           f"{' '.join(str(exc).split())[:200]}", kill=kill)
         return
     path = write_error(exc, where)
     rec = error_record(exc, where)
+    unwritable = _state.get("unwritable")
     at = f" in {rec['where']}" if rec["where"] else ""
     at += f" at step {rec['step']}" if rec["step"] is not None else ""
+    tail = (f" (traceback: {path.with_suffix('').as_posix()}.traceback.txt)" if path else "")
+    if unwritable:
+        tail = f"; {ERRORS_DIR}/ unwritable ({unwritable})" + tail
     try:
         print(f"[recover_hsdp] rank {rec['rank']}: {rec['class']}: {rec['message']}{at}; "
-              f"leaving by SIGKILL" + (f" (traceback: {path.with_suffix('').as_posix()}"
-                                       f".traceback.txt)" if path else ""),
-              file=sys.stderr, flush=True)
-        if path is None:
+              f"leaving by SIGKILL{tail}", file=sys.stderr, flush=True)
+        if path is None or (unwritable and _first_of_cause(path, rec)):
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     except Exception:
         pass

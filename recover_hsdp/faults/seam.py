@@ -23,18 +23,25 @@ a generator seeded anew in every process. Honest runs with it must still verify 
 for a nondeterministic device, docs/verify.md "Nondeterministic devices"), and the four faults
 above must still be rejected (tests/e2e/test_verify_nondeterministic.py).
 
+``RECOVER_HSDP_TEST_ENOSPC=N`` (same allow variable) is not a fault of training either: every
+checkpoint save of a step >= N fails while writing, as on a full disk (OSError ENOSPC), so a test
+sees what a full disk does: the previous checkpoint intact, one line per rank, the run ending
+with one line (tests/e2e/test_disk_full.py).
+
 Pure Python: the torch side is recover_hsdp/hsdp/fault_seam.py.
 """
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 ENV_FAULT = "RECOVER_HSDP_TEST_FAULT"
 ENV_ALLOW = "RECOVER_HSDP_ALLOW_TEST_FAULT"
 ENV_GATE = "RECOVER_HSDP_TEST_GATE"   # the test gate (faults/gate.py): same allow variable
 ENV_NONDET = "RECOVER_HSDP_TEST_NONDET"   # nondeterministic attention backward: same allow
+ENV_ENOSPC = "RECOVER_HSDP_TEST_ENOSPC"   # a full disk from checkpoint step N on: same allow
 KINDS = ("extra_mb", "drop_mb", "double_mb", "stale_bucket")
 
 
@@ -84,6 +91,12 @@ def refusal(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
             nondet_probability(env)
         except SeamError as e:
             return str(e)
+    if env.get(ENV_ENOSPC):
+        if env.get(ENV_ALLOW) != "1":
+            return (f"{ENV_ENOSPC} is set: a test-only seam that makes checkpoint saves fail "
+                    f"with ENOSPC; unset it (tests also set {ENV_ALLOW}=1)")
+        if not env[ENV_ENOSPC].isdigit():
+            return f"{ENV_ENOSPC}={env[ENV_ENOSPC]!r}: expected a step (an integer >= 0)"
     if not env.get(ENV_FAULT):
         return None
     if env.get(ENV_ALLOW) != "1":
@@ -111,6 +124,14 @@ def nondet_probability(env: Optional[Mapping[str, str]] = None) -> float:
     return p
 
 
+def enospc_step(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """RECOVER_HSDP_TEST_ENOSPC (allowed): every checkpoint save of a step >= this one fails
+    as on a full disk (OSError ENOSPC while writing); None when off."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_ENOSPC, "")
+    return int(text) if text.isdigit() and env.get(ENV_ALLOW) == "1" else None
+
+
 def from_env(env: Optional[Mapping[str, str]] = None) -> list[TestFault]:
     """The faults to inject ([] when the seam is off); SeamError when set but not allowed."""
     env = os.environ if env is None else env
@@ -118,3 +139,16 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> list[TestFault]:
     if why:
         raise SeamError(why)
     return parse(env.get(ENV_FAULT, ""))
+
+
+def enospc_writer(save: Callable, step: int) -> Callable:
+    """``save`` (dcp.save), or, under the test seam RECOVER_HSDP_TEST_ENOSPC (faults/seam.py),
+    a writer that fails as on a full disk for a step at or past the seam's."""
+    at = enospc_step()
+    if at is None or step < at:
+        return save
+
+    def full(state, checkpoint_id, process_group=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                      os.path.join(str(checkpoint_id), "__0_0.distcp"))
+    return full

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -28,63 +28,16 @@ import torch
 import torch.distributed as dist
 
 from recover_hsdp.faults import failstop
+from recover_hsdp.hsdp.state_dicts import load_state_dicts, stage, state_dicts
 from recover_hsdp.policy import DataAssignment, PolicyError
-from recover_hsdp.record.checkpoint import (STATE_FORMAT, ckpt_path, finalize, prune,
-                                            read_state, tmp_path)
+from recover_hsdp.faults.seam import enospc_writer
+from recover_hsdp.record.checkpoint import (STATE_FORMAT, CheckpointDiskError, ckpt_path,
+                                            disk_error, finalize, prune, read_state, tmp_path)
 
 ENV_RESUME_FROM = "RECOVER_HSDP_RESUME_FROM"   # a checkpoint directory (set by the launcher)
 ENV_SEGMENT = "RECOVER_HSDP_SEGMENT"           # 0, 1, ... (launches of one run directory)
 ENV_REJOIN = "RECOVER_HSDP_REJOIN"             # "1": elastic.rejoin, rejoins left (the launcher)
 STOP_FILE = "STOP"                             # checkpoints/STOP: {"step": T} (SIGTERM/SIGUSR1)
-
-
-def _state_dicts(mgr) -> dict:
-    """{"model", "optim"}: FSDP SHARDED state dicts of this rank. FSDP's optimizer state dict
-    gathers keys over the group it is given, else the WORLD (which holds other replicas, and
-    dead ranks): always the replica's own shard group here."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-
-    _init_optim_state(mgr.optimizer)
-    with warnings.catch_warnings(), \
-            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
-        warnings.simplefilter("ignore")      # ShardedTensor / state_dict_type deprecations
-        return {"model": mgr.module.state_dict(),
-                "optim": FSDP.optim_state_dict(mgr.module, mgr.optimizer, group=mgr.shard_pg)}
-
-
-def _load_state_dicts(mgr, state: dict) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-
-    with warnings.catch_warnings(), \
-            FSDP.state_dict_type(mgr.module, StateDictType.SHARDED_STATE_DICT):
-        warnings.simplefilter("ignore")
-        mgr.module.load_state_dict(state["model"])
-        osd = FSDP.optim_state_dict_to_load(mgr.module, mgr.optimizer, state["optim"],
-                                            group=mgr.shard_pg)
-        mgr.optimizer.load_state_dict(osd)
-
-
-def _stage(obj):
-    """A CPU copy of a state dict (DCP's own async stager refuses FSDP1's ShardedTensors)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    warnings.simplefilter("ignore", FutureWarning)
-
-    if isinstance(obj, ShardedTensor):
-        shards = [Shard(sh.tensor.detach().to("cpu", copy=True), sh.metadata)
-                  for sh in obj.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _stage(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_stage(v) for v in obj)
-    return obj
 
 
 class SliceDataAssignment(DataAssignment):
@@ -225,22 +178,31 @@ class ResilientCheckpointer:
         t0 = time.perf_counter()
         self.wait()
         tmp = tmp_path(self.run_dir, step, self.segment)
-        tmp.mkdir(parents=True, exist_ok=True)
-        state = _state_dicts(self.mgr)
         meta = self._state(step)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._disk_failure(e, tmp, meta)
+            raise
+        state = state_dicts(self.mgr)
         final = ckpt_path(self.run_dir, step)
         use_async = self.use_async if sync is None else not sync
+        write = enospc_writer(dcp.save, step)
         if use_async:   # staged copy now; DCP (its collectives on ckpt_pg) in a thread
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt")
-            staged = _stage(state)
-            fut = self._pool.submit(dcp.save, staged, checkpoint_id=str(tmp),
+            staged = stage(state)
+            fut = self._pool.submit(write, staged, checkpoint_id=str(tmp),
                                     process_group=self.pg)
             self.pending = (fut, tmp, final, meta, t0)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
+            try:
+                write(state, checkpoint_id=str(tmp), process_group=self.pg)
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException included
+                self._disk_failure(e, tmp, meta)
+                raise
             self._finish(tmp, final, meta, t0)
         held = time.perf_counter() - t0
         self._event({"event": "save", "step": int(step), "held_s": round(held, 6),
@@ -262,7 +224,11 @@ class ResilientCheckpointer:
             return
         meta["files"] = {p.name: p.stat().st_size for p in tmp.iterdir()
                          if p.is_file() and p.name.endswith(".distcp")}
-        finalize(tmp, final, meta)
+        try:
+            finalize(tmp, final, meta)
+        except OSError as e:          # state.json or COMPLETE on a full disk: never complete
+            self._disk_failure(e, final if final.exists() else tmp, meta)
+            raise
         self._event({"event": "complete", "step": int(meta["step"]),
                      "save_to_complete_s": round(time.perf_counter() - t0, 6)})
         self.log(f"checkpoint {final} complete ({time.perf_counter() - t0:.2f} s)")
@@ -270,6 +236,25 @@ class ResilientCheckpointer:
         if gone:
             self.pruned += gone
             self._event({"event": "pruned", "steps": gone})
+
+    def _disk_failure(self, exc: BaseException, partial: Path, meta: dict) -> None:
+        """A save that failed on the disk (full, read-only, quota, I/O error): the partial
+        directory goes (it never looked complete; its space comes back) and the rank leaves as
+        a fail-stop with ONE line naming the disk and the newest complete checkpoint, which is
+        intact (CheckpointDiskError). Any other failure: return (the caller decides)."""
+        disk = disk_error(exc)
+        if disk is None:
+            return
+        from recover_hsdp.record.checkpoint import latest_complete
+
+        shutil.rmtree(partial, ignore_errors=True)
+        prev = latest_complete(self.run_dir, warn=lambda s: None)
+        kept = (f"the newest complete checkpoint {prev[0].name} is intact" if prev is not None
+                else "no complete checkpoint yet")
+        failstop.set_context("checkpoint save", int(meta["step"]))
+        raise CheckpointDiskError(disk.errno, f"checkpoint step {meta['step']} not saved: "
+                                  f"{disk.strerror or disk} ({disk.filename or partial}); "
+                                  f"{kept}") from exc
 
     def poll(self) -> None:
         """Finish an asynchronous save whose writes are done (call at step boundaries)."""
@@ -283,7 +268,10 @@ class ResilientCheckpointer:
         self.pending = None
         try:
             fut.result()
-        except Exception as e:  # noqa: BLE001 - a peer of the saving replica died mid-save
+        except BaseException as e:  # noqa: BLE001 - a peer of the saving replica died mid-save
+            self._disk_failure(e, tmp, meta)
+            if not isinstance(e, Exception):
+                raise
             self.log(f"warning: checkpoint step {meta['step']} abandoned: "
                      f"{' '.join(str(e).split())[:200]}")
             return
@@ -304,9 +292,9 @@ class ResilientCheckpointer:
         if int(st["B"]) != int(mgr.policy.B):
             raise ValueError(f"{path} was saved with B={st['B']} microbatches per step; this "
                              f"manager has replicas x grad_accum = {mgr.policy.B}")
-        state = _state_dicts(mgr)
+        state = state_dicts(mgr)
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
-        _load_state_dicts(mgr, state)
+        load_state_dicts(mgr, state)
         self.w0 = int(st["w_init"])
         self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
         streams = assign_streams(self.slices, int(mgr.policy.w_init))

@@ -92,15 +92,18 @@ def reconcile_summary(run_dir: os.PathLike | str, shard_size: int) -> list[int]:
 # The launcher's reading of errors/
 # ---------------------------------------------------------------------------------------------
 def read_errors(run_dir: os.PathLike | str) -> list[dict]:
-    d = Path(run_dir) / ERRORS_DIR
-    out = []
-    if d.is_dir():
-        for p in sorted(d.glob("rank*.json")):
+    """The ranks' error records: errors/, then (for ranks it lacks) the fallback_dir a rank
+    used when errors/ was unwritable (on this node: the launcher's)."""
+    from recover_hsdp.faults.failstop import fallback_dir
+
+    out: dict[str, dict] = {}
+    for d in (Path(run_dir) / ERRORS_DIR, fallback_dir(run_dir)):
+        for p in sorted(d.glob("rank*.json")) if d.is_dir() else ():
             try:
-                out.append(json.loads(p.read_text()))
+                out.setdefault(p.name, json.loads(p.read_text()))
             except (OSError, ValueError):
                 continue
-    return out
+    return [out[k] for k in sorted(out)]
 
 
 def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1
@@ -126,9 +129,10 @@ def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1
     where = f" in {first['where']}" if first.get("where") else ""
     where += f" at step {first['step']}" if first.get("step") is not None else ""
     code = 2 if all(e.get("exit_code_hint") == 2 for e in by_replica.values()) else 1
+    tb = Path(run_dir) / ERRORS_DIR / f"rank{first['rank']}.traceback.txt"
     line = (f"every replica failed with the same error: {first['class']}: {first['message']}"
             f"{where} (rank {first['rank']}; traceback: "
-            f"{Path(run_dir) / ERRORS_DIR / ('rank%s.traceback.txt' % first['rank'])})")
+            f"{first.get('traceback') or tb})")
     return line, code
 
 

@@ -435,6 +435,12 @@ def run_resilient(job) -> JobResult:
                                 f"{resume[0]}: resume with checkpoint.resume=true")
                     break
                 continue
+            from recover_hsdp.launcher.judge import common_error
+            common = common_error(run_dir, int(cfg.parallel.replicas), int(cfg.parallel.shard_size))
+            if common is not None:      # the same error on every replica (a full disk): a
+                res.status, res.note = "error", common[0]   # relaunch would meet it again
+                res.exit_code = EXIT_CONFIG if common[1] == 2 else EXIT_FAILED
+                break
             if restarts >= int(cfg.elastic.max_restarts) or resume is None:
                 res.status = "incomplete" if committed else "failed"
                 res.note = (f"segment {k} ended with {len(committed)}/{steps} steps committed; "

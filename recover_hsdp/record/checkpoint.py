@@ -15,12 +15,13 @@ No torch here: the launcher and the verifier read this without importing it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from recover_hsdp.record.io import RecordError, atomic_write, fsync_dir, read_jsonl
 
@@ -30,6 +31,30 @@ STATE = "state.json"
 SEGMENTS = "segments.jsonl"
 STATE_FORMAT = 1
 _CKPT = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointDiskError(OSError):
+    """A checkpoint save failed on the disk (ENOSPC, EDQUOT, EROFS, EIO, EFBIG): one line."""
+
+
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+def disk_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError of a full / read-only / failing disk inside ``exc``: itself, its causes, or
+    the per-rank failures of DCP's CheckpointException; None when it is none of those."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return e
+        todo += [e.__cause__, e.__context__]
+        for f in (getattr(e, "failures", None) or {}).values():   # rank -> (exc, traceback)
+            todo.append(f[0] if isinstance(f, tuple) and f else f)
+    return None
 
 
 def ckpt_root(run_dir: str | os.PathLike) -> Path:

@@ -58,6 +58,53 @@ def test_fail_stop_writes_one_line_and_traceback_then_kills(tmp_path, capsys):
     assert len(err) == 1 and "rank 5: ValueError: bad batch second line in loss_fn at step 7" in err[0]
 
 
+def test_unwritable_errors_dir_one_line_per_rank_one_traceback_per_cause(tmp_path, capsys,
+                                                                         monkeypatch):
+    """Issue 26, a full disk: errors/ cannot be written (here a file stands where the directory
+    goes). Each rank prints ONE line naming the cause, where, and that errors/ was unwritable;
+    its record goes to the fallback directory, where the launcher's read_errors finds it; the
+    traceback of the cause reaches the console once (the first rank with it), not per rank."""
+    import errno
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "errors").write_text("not a directory")
+    fb = tmp_path / "shm"
+    monkeypatch.setattr(fs, "fallback_dir", lambda d: fb)
+    fs.set_context("checkpoint save", 4)
+    lines = {}
+    for g in (0, 1, 2):
+        fs.configure(run, rank=g, replica=g)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(run / "checkpoints"))
+        except OSError as e:
+            fs.fail_stop(e, kill=lambda: None)
+        lines[g] = capsys.readouterr().err
+    for g, err in lines.items():
+        first = err.splitlines()[0]
+        assert f"rank {g}: OSError: [Errno 28] No space left on device" in first, err
+        assert "in checkpoint save at step 4" in first and "errors/ unwritable" in first, err
+        assert str(fb / f"rank{g}.traceback.txt") in first, err
+    assert "Traceback (most recent call last)" in lines[0]        # the first with the cause
+    assert len(lines[1].splitlines()) == 1 and len(lines[2].splitlines()) == 1, lines
+    assert [e["rank"] for e in fs.read_errors(run)] == [0, 1, 2]
+    line, code = fs.common_error(run, 3, 1)
+    assert "No space left on device" in line and str(fb / "rank0.traceback.txt") in line
+    assert code == 1 and "\n" not in line
+
+
+def test_nothing_writable_still_one_line_and_the_traceback(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "errors").write_text("x")
+    (tmp_path / "shm").write_text("x")
+    monkeypatch.setattr(fs, "fallback_dir", lambda d: tmp_path / "shm" / "sub")
+    fs.configure(run, rank=0, replica=0)
+    fs.fail_stop(OSError(28, "No space left on device"), kill=lambda: None)
+    err = capsys.readouterr().err
+    assert "errors/ unwritable" in err.splitlines()[0] and "OSError" in err
+
+
 def test_fail_stop_of_a_peer_failure_is_replica_lost(tmp_path, capsys):
     fs.configure(tmp_path, rank=1, replica=0)
     killed = []

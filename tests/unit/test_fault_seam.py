@@ -80,6 +80,34 @@ def test_nondet_seam_is_refused_without_the_allow_variable_and_checked():
                                                          seam.ENV_ALLOW: "1"})
 
 
+def test_enospc_seam_is_refused_without_the_allow_variable_and_fails_like_a_full_disk(
+        monkeypatch):
+    """Issue 26: RECOVER_HSDP_TEST_ENOSPC=N makes each save of a step >= N fail while writing
+    with ENOSPC; disk_error finds that OSError inside DCP's CheckpointException."""
+    import errno
+
+    from recover_hsdp.record.checkpoint import disk_error
+
+    assert "RECOVER_HSDP_TEST_ENOSPC is set" in seam.refusal({seam.ENV_ENOSPC: "4"})
+    assert "expected a step" in seam.refusal({seam.ENV_ENOSPC: "x", seam.ENV_ALLOW: "1"})
+    assert seam.refusal({seam.ENV_ENOSPC: "4", seam.ENV_ALLOW: "1"}) is None
+    assert seam.enospc_step({seam.ENV_ENOSPC: "4"}) is None            # not allowed: off
+    monkeypatch.setenv(seam.ENV_ENOSPC, "4")
+    monkeypatch.setenv(seam.ENV_ALLOW, "1")
+    assert seam.enospc_writer(print, 3) is print
+    with pytest.raises(OSError) as e:
+        seam.enospc_writer(print, 4)({}, checkpoint_id="/run/checkpoints/.tmp_step_000004_s0")
+    assert e.value.errno == errno.ENOSPC and disk_error(e.value) is e.value
+
+    class CheckpointException(BaseException):   # DCP's: rank -> (exception, traceback)
+        def __init__(self, failures):
+            self.failures = failures
+
+    assert disk_error(CheckpointException({1: (e.value, None)})) is e.value
+    assert disk_error(RuntimeError("Connection closed by peer")) is None
+    assert disk_error(OSError(errno.ENOENT, "missing")) is None
+
+
 @pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, 7), (torch.float32, 23)])
 def test_jitter_moves_each_element_at_most_one_ulp_of_its_dtype(dtype, bits):
     from recover_hsdp.hsdp.fault_seam import jitter_ulp
