@@ -338,29 +338,33 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                 tol.reset_window()
                 prev_is_run = True
     if failed:
-        failed[0].message += (f" [--keep-going: {len(failed)} of {result.steps_replayed} steps failed: "
+        failed[0].message += (f" [--keep-going: {len(failed)} of {result.steps_replayed} "
+                              f"steps failed: "
                               f"{', '.join(str(f.step) for f in failed)}]")
         raise failed[0]
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
     replayed = [r.step for r in result.reports]
     cks = [t for t, k in result.compared.items() if k == wn.CHECKPOINT]
-    note(f"compared: steps {wn.ranges(list(result.compared))} (checkpoints: {wn.ranges(cks)}); "
-         f"replayed but not compared (no snapshot or checkpoint after them): "
-         f"{wn.ranges([t for t in replayed if t not in result.compared])}; not replayed: "
-         f"{wn.ranges([t for t in range(max(steps) + 1) if t not in set(replayed)])}")
+    if cks or len(result.compared) < max(steps) + 1:   # not every step compared: say which
+        note(f"compared: steps {wn.ranges(list(result.compared))} (checkpoints: "
+             f"{wn.ranges(cks)}); replayed but not compared (no snapshot or checkpoint after "
+             f"them): {wn.ranges([t for t in replayed if t not in result.compared])}; not "
+             f"replayed: {wn.ranges([t for t in range(max(steps) + 1) if t not in set(replayed)])}")
     if result.steps_compared == 0:
         # nothing but the records was checked: not a verdict on the parameters (issue 26)
         result.ok, result.exit_code = False, EXIT_ERROR
         result.message = (f"verify: NOT VERIFIED  steps={result.steps_replayed} replayed, "
                           f"compared=0: no parameter snapshot or checkpoint after a "
-                          f"replayed step ({run_dir}/params, checkpoints){partial}; the records were checked (ids "
+                          f"replayed step ({run_dir}/params, checkpoints){partial}; "
+                          f"the records were checked (ids "
                           f"re-derived, one membership per step). Keep run.save_params_every "
                           f"snapshots, or pass --records-only to accept the records alone")
         return
     result.ok, result.exit_code = True, EXIT_OK
     result.message = (f"verify: OK  steps={result.steps_replayed}  "
-                      f"compared={result.steps_compared}" + (f" ({len(cks)} at checkpoints)" if cks
-                                                          else "") + f"  max_abs={result.max_abs:.3g}  "
+                      f"compared={result.steps_compared}"
+                      + (f" ({len(cks)} at checkpoints)" if cks else "")
+                      + f"  max_abs={result.max_abs:.3g}  "
                       f"max_rel={result.max_rel:.3g}  max_rms={result.max_rms:.3g}  "
                       f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}"
                       + (f"  strict={result.steps_strict} steps, max |diff|/bound "
