@@ -1,7 +1,8 @@
 """verify at scale (issue 26) on a REAL run that keeps what a large run keeps: parameter
 snapshots only at the init, step 0 and the final step (run.save_params_every=0) and DCP
 checkpoints at steps 2, 4, 6 (run.ckpt_interval=2). One replica is killed at step 2; the test
-fault seam (recover_hsdp/faults/seam.py) makes the ranks count one microbatch twice at step 5 while the
+fault seam (recover_hsdp/faults/seam.py) makes the ranks count one microbatch twice at step 5
+while the
 record stays honest. `verify --steps` / `--sample` replay windows from the checkpoints (model AND
 AdamW state) and compare at the next checkpoint: the windows without step 5 pass, the window
 holding it fails at step 5 (compared with checkpoint step_6), and every verdict says which
