@@ -7,6 +7,8 @@
                                                      # failure events, one membership per step
                                                      # (no torch replay)
     recover-hsdp verify runs/demo --no-anchor        # one trajectory from the init, never re-synced
+    recover-hsdp verify runs/big --steps 400:600     # steps 400..599 from the checkpoint <= 400
+    recover-hsdp verify runs/big --sample 3 --seed 1 # 3 windows between kept checkpoints
 
 Exit status: 0 verified; 1 the run violates the contract (a record invariant, or parameters
 differ beyond the tolerance: the first failing step is named); 2 the run directory cannot be
@@ -64,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
                         "surviving replica's copy, and check that they agree)")
     p.add_argument("--device", default="cpu", help="replay device (default cpu)")
     p.add_argument("--until", type=int, default=None, help="stop after this step")
+    p.add_argument("--steps", default=None, metavar="A:B",
+                   help="replay only steps A..B-1 ('A:' to the last), from the nearest start at "
+                        "or before A (the init or a kept DCP checkpoint: parameters and "
+                        "optimizer state), comparing at every snapshot/checkpoint inside")
+    p.add_argument("--sample", type=int, default=None, metavar="K",
+                   help="replay K windows between consecutive kept anchors (init, checkpoints), "
+                        "each from its start, compared at the snapshots/checkpoints inside")
+    p.add_argument("--seed", type=int, default=0, help="which windows --sample picks (default 0)")
+    p.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
+                   help="ignore checkpoints/ as starts and comparison points (snapshots only)")
     p.add_argument("--keep-going", action="store_true",
                    help="do not stop at the first failing step: list every failing step "
                         "(re-anchored at the run's parameters after each)")
@@ -103,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError("--every must be >= 1")
         if args.envelope is not None and not args.envelope > 0:
             raise _UsageError("--envelope must be > 0")
+        if args.sample is not None and args.sample < 1:
+            raise _UsageError("--sample must be >= 1")
+        if args.sample is not None and args.steps is not None:
+            raise _UsageError("--steps and --sample exclude each other")
         if args.until is not None and args.until < 0:
             raise _UsageError("--until must be >= 0")
     except _UsageError as e:
@@ -126,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             until=args.until, records_only=args.records_only,
                             anchor=args.anchor, all_copies=not args.one_copy,
                             envelope=args.envelope, strict=args.strict, c_strict=args.c_strict,
-                            keep_going=args.keep_going)
+                            keep_going=args.keep_going, steps=args.steps,
+                            sample=args.sample, seed=args.seed, checkpoints=args.checkpoints)
     try:
         result = verify_run(args.run_dir, options, on_step=on_step, on_note=on_note,
                             on_header=lambda text: print(text, file=out, flush=True))

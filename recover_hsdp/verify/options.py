@@ -32,7 +32,11 @@ class VerifyOptions:
     divergence (twice the compute). strict: the per-coordinate check (verify/strict.py), with
     its constant c_strict (None: the default, or the nondeterministic device's). keep_going: a
     step whose parameters fail is listed (failed_steps), the replay re-anchors at the run's
-    parameters and goes on; the verdict names the first and counts them all.
+    parameters and goes on; the verdict names the first and counts them all. steps ("A:B":
+    steps A..B-1, "A:" to the end) / sample (K windows between kept anchors, chosen with seed):
+    replay only those windows, each from the nearest start (the init or a DCP checkpoint,
+    parameters and optimizer state); checkpoints=False: ignore checkpoints/ (snapshots only;
+    verify/windows.py, docs/verify.md "Verify at scale").
     """
 
     atol: Optional[float] = None
@@ -50,6 +54,10 @@ class VerifyOptions:
     strict: bool = True
     c_strict: Optional[float] = None
     keep_going: bool = False
+    steps: Optional[str] = None
+    sample: Optional[int] = None
+    seed: int = 0
+    checkpoints: bool = True
 
     def tolerance(self) -> Tolerance:
         """A fresh tolerance of these constants (it keeps a window's state as the replay runs)."""

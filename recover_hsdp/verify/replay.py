@@ -21,13 +21,15 @@ The first step whose difference exceeds the tolerance (``tolerance.Tolerance``) 
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from recover_hsdp.record import INIT_STEP, RecordError, param_steps
+from recover_hsdp.record.checkpoint import complete_steps
+from recover_hsdp.verify import anchors
+from recover_hsdp.verify import windows as wn
 # the parameter comparison, the pre-replay record checks and the result types live in
 # compare.py, prereplay.py and result.py (re-exported here: locate, EXIT_*, VerifyResult, ...)
 from recover_hsdp.verify.compare import _Comparator, locate  # noqa: F401
@@ -35,6 +37,7 @@ from recover_hsdp.verify.prereplay import check_before_replay
 from recover_hsdp.verify.result import (EXIT_ERROR, EXIT_FAILED, EXIT_OK, StepReport,  # noqa: F401
                                         VerifyResult, _Failed, _fmt)
 from recover_hsdp.verify.spec import VerifyInputError
+from recover_hsdp.verify.step import _Arm, _envelope, _Replay, _replay_step
 from recover_hsdp.verify.options import VerifyOptions
 from recover_hsdp.verify.tolerance import nondeterministic_profile, ulp_floor
 
@@ -198,16 +201,22 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                         + (f"; at least {opt.envelope:g}x the HSDP-order twin's difference"
                            if opt.envelope else ""))
     n_snap = len(saved & committed)
+    last = max(steps) if opt.until is None else min(max(steps), opt.until)
+    ckpts = complete_steps(run_dir) if opt.checkpoints else []
+    try:
+        wins, pts = wn.plan(last, snaps, ckpts, steps=opt.steps, sample=opt.sample,
+                            seed=opt.seed)
+    except ValueError as e:
+        raise VerifyInputError(str(e)) from None
     result.header = (f"verify {run_dir}: W_init={spec.w_init} G_init={spec.g_init} B={spec.B} "
                      f"S={spec.shard_size} policy={spec.policy} steps={len(steps)} "
-                     f"snapshots={n_snap} model={spec.model_cfg.name} "
+                     f"snapshots={n_snap} checkpoints={len(ckpts)} model={spec.model_cfg.name} "
                      f"({sum(p.numel() for p in params)} params) tolerance: {result.tolerance}")
     if on_header is not None:
         on_header(result.header)
     if not n_epochs:
         note(no_epochs_note)
 
-    prev_is_run = INIT_STEP in saved   # the replay starts from the run's own parameters
     if INIT_STEP in saved:
         rep = comparator.compare(model, INIT_STEP, 0.0, 0.0)
         if not rep.ok:
@@ -218,231 +227,146 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
     else:
         note("no params/init snapshot: initial parameters not checked")
 
-    last = max(steps) if opt.until is None else min(max(steps), opt.until)
     failed: list[_Failed] = []
-    for s in range(0, last + 1):
-        t1 = time.perf_counter()
-        rec = steps[s]
-        _replay_step(arm, replay, rec, s, strict=strict_chk, bf16=bf16)
-        lr = float(lr_at(s, spec.optim_at(s)))
-        if twin is not None:
-            _replay_step(twin, replay, rec, s, hsdp_order=True)
-        tol.add_step(lr)
-        el_tol, bulk_tol, env = tol.element, tol.bulk, None
-        if twin is not None and s in saved:
-            env = _envelope(model, twin[0], spec.layout)
-            if tol.atol is None:
-                el_tol = max(el_tol, opt.envelope * env[0])
-            if tol.rms_atol is None:
-                bulk_tol = max(bulk_tol, opt.envelope * env[1])
-        if s in saved:
-            rep = comparator.compare(model, s, el_tol, tol.rtol, bulk_tol)
-            rep.envelope = env
-            if strict_chk is not None and prev_is_run and strict_chk.expected is not None:
-                ratio, where, d = strict_chk.check(comparator.run_params(s))
-                rep.strict_ratio = ratio
-                rep.strict_fraction = strict_chk.last_fraction
-                result.steps_strict += 1
-                result.max_strict = max(result.max_strict or 0.0, ratio)
-                if rep.ok and strict_chk.fails(ratio):
-                    rep.ok, rep.reason = False, "strict"
-                    rep.where = (f"{where}: |diff| {d:.3g} = {ratio:.3g} x its derived bound "
-                                 f"(strict per-coordinate check)")
-                    if strict_chk.max_fraction is not None:
-                        rep.where = (f"{strict_chk.last_fraction:.2%} of the coordinates over "
-                                     f"their bound (at most {strict_chk.max_fraction:.2%} on a "
-                                     f"nondeterministic device); worst " + rep.where)
-            result.steps_compared += 1
-            result.max_abs = max(result.max_abs, rep.max_abs or 0.0)
-            result.max_rel = max(result.max_rel, rep.max_rel or 0.0)
-            result.max_rms = max(result.max_rms, rep.max_rms or 0.0)
-        else:
-            rep = StepReport(step=s, tol=el_tol, rms_tol=bulk_tol)
-        rep.microbatches = rec.microbatches
-        rep.replicas = sum(1 for ids in rec.contributions.values() if ids)
-        rep.divisor, rep.lr = rec.divisor, lr
-        rep.seconds = time.perf_counter() - t1
-        result.reports.append(rep)
-        result.steps_replayed += 1
-        result.tol, result.rms_tol = el_tol, bulk_tol
-        if on_step is not None:
-            on_step(rep)
-        if not rep.ok:
-            if rep.reason == "rms":
-                what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)}, "
-                        f"tol {_fmt(el_tol)}")
-            elif rep.reason == "copies":
-                what = f"step {s} ({rep.where}): tol {_fmt(el_tol)}"
-            elif rep.reason == "strict":
-                what = (f"step {s} ({rep.where}); max_abs={_fmt(rep.max_abs)} within tol "
-                        f"{_fmt(el_tol)}, RMS {_fmt(rep.max_rms)} within {_fmt(bulk_tol)}")
-            else:
-                what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
-                        f"{_fmt(el_tol)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
-                                                  else ""))
-                if rep.max_rms is not None and rep.max_rms > bulk_tol:
-                    what += f"; flat-param RMS {_fmt(rep.max_rms)} > rms_tol {_fmt(bulk_tol)}"
-                elif rep.max_rms is not None:
-                    what += (f" (flat-param RMS {_fmt(rep.max_rms)} within rms_tol "
-                             f"{_fmt(bulk_tol)}: an isolated element, see docs/verify.md)")
-            failed.append(_Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
-                                            "where": rep.where, "max_abs": rep.max_abs,
-                                            "max_rel": rep.max_rel, "max_rms": rep.max_rms,
-                                            "tol": el_tol, "rms_tol": bulk_tol,
-                                            "strict_ratio": rep.strict_ratio}))
-            result.failed_steps.append(s)
-            if not opt.keep_going:
-                raise failed[0]
-        prev_is_run = False
-        if opt.anchor and rep.compared and comparator.load_into(model, s):
+    if not wins:
+        note(f"no window between two kept anchors holds a comparison point (snapshots "
+             f"{wn.ranges(snaps)}, checkpoints {wn.ranges(ckpts)}): nothing to replay")
+    for w in wins:   # windows are in step order; only the first can start at the init
+        if w.start > 0:
+            anchors.load_into(run_dir, w.start, model, optimizer)
             if twin is not None:
-                comparator.load_into(twin[0], s)
-            tol.reset_window()
-            prev_is_run = True
+                anchors.load_into(run_dir, w.start, twin[0], twin[1])
+        prev_is_run = INIT_STEP in saved if w.start == 0 else True
+        tol.reset_window()
+        inside = {t: pts[t] for t in w.steps() if t in pts}
+        result.windows.append({"start": w.start, "end": w.end, "from": "init" if w.start == 0
+                               else f"checkpoint step_{w.start}", "points": inside})
+        if opt.steps is not None or opt.sample is not None:
+            note(f"window steps {w.start}..{w.end} from "
+                 f"{result.windows[-1]['from']}: comparison points at steps "
+                 f"{wn.ranges(list(inside))}")
+        for s in w.steps():
+            t1 = time.perf_counter()
+            rec = steps[s]
+            _replay_step(arm, replay, rec, s, strict=strict_chk, bf16=bf16)
+            lr = float(lr_at(s, spec.optim_at(s)))
+            if twin is not None:
+                _replay_step(twin, replay, rec, s, hsdp_order=True)
+            tol.add_step(lr)
+            el_tol, bulk_tol, env = tol.element, tol.bulk, None
+            kind = pts.get(s)
+            if twin is not None and kind is not None:
+                env = _envelope(model, twin[0], spec.layout)
+                if tol.atol is None:
+                    el_tol = max(el_tol, opt.envelope * env[0])
+                if tol.rms_atol is None:
+                    bulk_tol = max(bulk_tol, opt.envelope * env[1])
+            if kind == wn.CHECKPOINT:   # checkpoint step_{s+1}: the state after step s
+                rep = anchors.compare(run_dir, s + 1, model, spec.layout, el_tol, tol.rtol,
+                                      bulk_tol, opt.rel_floor)
+                rep.envelope = env
+            elif kind == wn.SNAPSHOT:
+                rep = comparator.compare(model, s, el_tol, tol.rtol, bulk_tol)
+                rep.envelope = env
+                if strict_chk is not None and prev_is_run and strict_chk.expected is not None:
+                    ratio, where, d = strict_chk.check(comparator.run_params(s))
+                    rep.strict_ratio = ratio
+                    rep.strict_fraction = strict_chk.last_fraction
+                    result.steps_strict += 1
+                    result.max_strict = max(result.max_strict or 0.0, ratio)
+                    if rep.ok and strict_chk.fails(ratio):
+                        rep.ok, rep.reason = False, "strict"
+                        rep.where = (f"{where}: |diff| {d:.3g} = {ratio:.3g} x its derived bound "
+                                     f"(strict per-coordinate check)")
+                        if strict_chk.max_fraction is not None:
+                            rep.where = (f"{strict_chk.last_fraction:.2%} of the coordinates over "
+                                         f"their bound (at most {strict_chk.max_fraction:.2%} on a "
+                                         f"nondeterministic device); worst " + rep.where)
+            if kind is not None:
+                result.compared[s] = kind
+                result.steps_compared += 1
+                result.max_abs = max(result.max_abs, rep.max_abs or 0.0)
+                result.max_rel = max(result.max_rel, rep.max_rel or 0.0)
+                result.max_rms = max(result.max_rms, rep.max_rms or 0.0)
+            else:
+                rep = StepReport(step=s, tol=el_tol, rms_tol=bulk_tol)
+            rep.microbatches = rec.microbatches
+            rep.replicas = sum(1 for ids in rec.contributions.values() if ids)
+            rep.divisor, rep.lr = rec.divisor, lr
+            rep.seconds = time.perf_counter() - t1
+            result.reports.append(rep)
+            result.steps_replayed += 1
+            result.tol, result.rms_tol = el_tol, bulk_tol
+            if on_step is not None:
+                on_step(rep)
+            if not rep.ok:
+                if rep.reason == "rms":
+                    what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)}, "
+                            f"tol {_fmt(el_tol)}")
+                elif rep.reason == "copies":
+                    what = f"step {s} ({rep.where}): tol {_fmt(el_tol)}"
+                elif rep.reason == "strict":
+                    what = (f"step {s} ({rep.where}); max_abs={_fmt(rep.max_abs)} within tol "
+                            f"{_fmt(el_tol)}, RMS {_fmt(rep.max_rms)} within {_fmt(bulk_tol)}")
+                else:
+                    what = (f"step {s} ({rep.where}): max_abs={_fmt(rep.max_abs)} > tol "
+                            f"{_fmt(el_tol)}" + (f" + {tol.rtol:g}*|expected|" if tol.rtol
+                                                      else ""))
+                    if rep.max_rms is not None and rep.max_rms > bulk_tol:
+                        what += f"; flat-param RMS {_fmt(rep.max_rms)} > rms_tol {_fmt(bulk_tol)}"
+                    elif rep.max_rms is not None:
+                        what += (f" (flat-param RMS {_fmt(rep.max_rms)} within rms_tol "
+                                 f"{_fmt(bulk_tol)}: an isolated element, see docs/verify.md)")
+                failed.append(_Failed(s, what, {"kind": "params", "reason": rep.reason, "step": s,
+                                                "where": rep.where, "max_abs": rep.max_abs,
+                                                "max_rel": rep.max_rel, "max_rms": rep.max_rms,
+                                                "tol": el_tol, "rms_tol": bulk_tol,
+                                                "strict_ratio": rep.strict_ratio}))
+                result.failed_steps.append(s)
+                if not opt.keep_going:
+                    raise failed[0]
+            prev_is_run = False
+            if opt.anchor and kind == wn.CHECKPOINT:   # model AND optimizer state: a re-start
+                anchors.load_into(run_dir, s + 1, model, optimizer)
+                if twin is not None:
+                    anchors.load_into(run_dir, s + 1, twin[0], twin[1])
+                tol.reset_window()
+                prev_is_run = True
+            elif opt.anchor and rep.compared and comparator.load_into(model, s):
+                if twin is not None:
+                    comparator.load_into(twin[0], s)
+                tol.reset_window()
+                prev_is_run = True
     if failed:
-        failed[0].message += (f" [--keep-going: {len(failed)} of {last + 1} steps failed: "
+        failed[0].message += (f" [--keep-going: {len(failed)} of {result.steps_replayed} "
+                              f"steps failed: "
                               f"{', '.join(str(f.step) for f in failed)}]")
         raise failed[0]
     partial = "" if last == max(steps) else f"  (until step {last} of {max(steps)})"
+    replayed = [r.step for r in result.reports]
+    cks = [t for t, k in result.compared.items() if k == wn.CHECKPOINT]
+    if cks or len(result.compared) < max(steps) + 1:   # not every step compared: say which
+        note(f"compared: steps {wn.ranges(list(result.compared))} (checkpoints: "
+             f"{wn.ranges(cks)}); replayed but not compared (no snapshot or checkpoint after "
+             f"them): {wn.ranges([t for t in replayed if t not in result.compared])}; not "
+             f"replayed: {wn.ranges([t for t in range(max(steps) + 1) if t not in set(replayed)])}")
     if result.steps_compared == 0:
         # nothing but the records was checked: not a verdict on the parameters
         result.ok, result.exit_code = False, EXIT_ERROR
         result.message = (f"verify: NOT VERIFIED  steps={result.steps_replayed} replayed, "
-                          f"compared=0: no parameter snapshot of a replayed step "
-                          f"({run_dir}/params){partial}; the records were checked (ids "
+                          f"compared=0: no parameter snapshot or checkpoint after a "
+                          f"replayed step ({run_dir}/params, checkpoints){partial}; "
+                          f"the records were checked (ids "
                           f"re-derived, one membership per step). Keep run.save_params_every "
                           f"snapshots, or pass --records-only to accept the records alone")
         return
     result.ok, result.exit_code = True, EXIT_OK
     result.message = (f"verify: OK  steps={result.steps_replayed}  "
-                      f"compared={result.steps_compared}  max_abs={result.max_abs:.3g}  "
+                      f"compared={result.steps_compared}"
+                      + (f" ({len(cks)} at checkpoints)" if cks else "")
+                      + f"  max_abs={result.max_abs:.3g}  "
                       f"max_rel={result.max_rel:.3g}  max_rms={result.max_rms:.3g}  "
                       f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}"
                       + (f"  strict={result.steps_strict} steps, max |diff|/bound "
                          f"{_fmt(result.max_strict)}" if result.steps_strict else
                          "  strict=0 steps") + partial)
-
-
-class _Arm(NamedTuple):
-    """One replayed model: the replay, or the envelope's HSDP-order twin."""
-    model: Any
-    optimizer: Any
-    params: list
-
-
-class _Replay(NamedTuple):
-    """What every replayed step reads: the run's spec, its microbatch sources (replica ->
-    source), the device, and the lr schedule (optim.lr_at, optim.set_lr)."""
-    spec: Any
-    source: Callable[[int], Any]
-    dev: Any
-    lr_at: Callable
-    set_lr: Callable
-
-
-def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool = False,
-                 strict=None, bf16=None) -> None:
-    """One committed step: sum of the recorded microbatches' gradients / divisor, AdamW step.
-
-    Replay order: replica-ascending, id order, each microbatch's S*mbs rows at once, accumulated
-    in ``.grad``. ``hsdp_order`` (the envelope twin): each microbatch as S row slices of mbs
-    rows, summed per replica, the replicas' partial sums added in reverse order (as the run)."""
-    import torch
-
-    model, optimizer, params = arm
-    spec, source, dev, lr_at, set_lr = replay
-
-    from recover_hsdp.model import next_token_loss
-    from recover_hsdp.optim import clip_grads_
-
-    def get(r, mb_id):
-        try:
-            x, y = source(r).get(mb_id)
-        except VerifyInputError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise VerifyInputError(f"step {step}: microbatch {mb_id} (replica {r}): "
-                                   f"{type(e).__name__}: {e}") from None
-        return x.to(dev), y.to(dev)
-
-    norm = spec.tokens_per_microbatch
-    optimizer.zero_grad(set_to_none=True)
-    if strict is not None:
-        strict.begin_step()
-    with torch.enable_grad():
-        if not hsdp_order and (strict is not None or bf16 is not None):
-            # per-microbatch gradients (for sum |g_i|), accumulated in .grad as backward() does
-            if bf16 is not None:
-                bf16.sync()     # bf16 mixed precision: the bf16 shadow computes (verify/bf16.py)
-            for r in sorted(rec.contributions):
-                for mb_id in rec.contributions[r]:
-                    x, y = get(r, mb_id)
-                    if bf16 is not None:
-                        gs = bf16.grads(x, y, lambda o, t: next_token_loss(
-                            o, t, tokens_per_microbatch=spec.mbs * spec.seq_len))
-                    else:
-                        loss = next_token_loss(model(x), y, tokens_per_microbatch=norm)
-                        gs = torch.autograd.grad(loss, params, allow_unused=True)
-                    if strict is not None:
-                        strict.add_microbatch(gs)
-                    for p, g in zip(params, gs):
-                        if g is not None:
-                            if p.grad is None:
-                                p.grad = g
-                            else:
-                                p.grad.add_(g)
-        elif not hsdp_order:
-            for r in sorted(rec.contributions):
-                for mb_id in rec.contributions[r]:
-                    x, y = get(r, mb_id)
-                    next_token_loss(model(x), y, tokens_per_microbatch=norm).backward()
-        else:
-            total = [torch.zeros_like(p) for p in params]
-            for r in sorted(rec.contributions, reverse=True):
-                acc = [torch.zeros_like(p) for p in params]
-                for mb_id in rec.contributions[r]:
-                    x, y = get(r, mb_id)
-                    for j in range(spec.shard_size):
-                        rows = slice(j * spec.mbs, (j + 1) * spec.mbs)
-                        loss = next_token_loss(model(x[rows]), y[rows],
-                                               tokens_per_microbatch=norm)
-                        for a, g in zip(acc, torch.autograd.grad(loss, params,
-                                                                 allow_unused=True)):
-                            if g is not None:
-                                a.add_(g)
-                for t, a in zip(total, acc):
-                    t.add_(a)
-            for p, t in zip(params, total):
-                p.grad = t
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(rec.divisor)
-        # optim.grad_clip and the non-finite skip, as the run applied them
-        _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_at(step).clip)
-    set_lr(optimizer, float(lr_at(step, spec.optim_at(step))))
-    if (rec.extra or {}).get("skipped") or nonfinite:
-        if strict is not None:
-            strict.expected = None  # no update to bound: the tolerance comparison judges it
-        return  # the run committed this step without an optimizer update
-    if strict is not None:
-        strict.prepare(optimizer, rec.divisor)
-    optimizer.step()
-
-
-def _envelope(model, twin, layout) -> tuple[float, float]:
-    """(max |diff|, max over flat params of RMS diff) between the replay and its twin."""
-    a = dict(model.state_dict(keep_vars=True))
-    b = dict(twin.state_dict(keep_vars=True))
-    max_abs, max_rms = 0.0, 0.0
-    for fl in layout:
-        sq, n = 0.0, 0
-        for slot in fl.params:
-            d = (a[slot.fqn].detach().float() - b[slot.fqn].detach().float()).abs()
-            if d.numel():
-                max_abs = max(max_abs, float(d.max()))
-                sq += float(d.double().square().sum())
-                n += d.numel()
-        if n:
-            max_rms = max(max_rms, math.sqrt(sq / n))
-    return max_abs, max_rms

@@ -53,6 +53,8 @@ class VerifyResult:
     failed_step: int | None = None
     failure: dict | None = None
     failed_steps: list[int] = field(default_factory=list)   # keep_going: every failing step
+    compared: dict[int, str] = field(default_factory=dict)  # step -> snapshot | checkpoint
+    windows: list[dict] = field(default_factory=list)       # replayed: start, end, from, points
     header: str = ""
     notes: list[str] = field(default_factory=list)
     reports: list[StepReport] = field(default_factory=list)

@@ -1,4 +1,4 @@
-"""Issue 26, a full disk: ENOSPC during a checkpoint save (the test seam RECOVER_HSDP_TEST_ENOSPC,
+"""A full disk: ENOSPC during a checkpoint save (the test seam RECOVER_HSDP_TEST_ENOSPC,
 faults/seam.py: every save from step 4 on fails while writing, as on a full disk) with errors/
 unwritable too (a file stands where the directory goes). The previous complete checkpoint stays
 intact (a resume from it, the disk freed, finishes the run), the partial one is gone, every rank

@@ -250,7 +250,7 @@ def test_resume_at_another_shape_w4g2_to_w2g4(tmp_path):
     p = _cli("train", "parallel.replicas=2", "parallel.grad_accum=4", "checkpoint.resume=true", *base,
              cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
-    assert "FutureWarning" not in p.stdout, p.stdout[-4000:]   # issue 26: the supported API
+    assert "FutureWarning" not in p.stdout, p.stdout[-4000:]   # the supported API
     rec = _check_one_run(out, 6, tmp_path, dl)["record"]
     assert sorted(rec.steps[5].contributions) == [0, 1]
     assert sorted(rec.steps[3].contributions) == [0, 1, 2, 3]

@@ -1,4 +1,4 @@
-"""Issue 26, "Checkpoints through the supported API": the state dicts a checkpoint holds come
+"""Checkpoints through the supported API: the state dicts a checkpoint holds come
 from torch.distributed.checkpoint.state_dict (hsdp/state_dicts.py) with the keys and values of
 the FSDP.state_dict_type path earlier versions saved with; a checkpoint of that path loads with
 the new one and the other way round; no deprecation warning reaches the console. Two real ranks,

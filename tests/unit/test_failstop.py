@@ -60,7 +60,7 @@ def test_fail_stop_writes_one_line_and_traceback_then_kills(tmp_path, capsys):
 
 def test_unwritable_errors_dir_one_line_per_rank_one_traceback_per_cause(tmp_path, capsys,
                                                                          monkeypatch):
-    """Issue 26, a full disk: errors/ cannot be written (here a file stands where the directory
+    """A full disk: errors/ cannot be written (here a file stands where the directory
     goes). Each rank prints ONE line naming the cause, where, and that errors/ was unwritable;
     its record goes to the fallback directory, where the launcher's read_errors finds it; the
     traceback of the cause reaches the console once (the first rank with it), not per rank."""

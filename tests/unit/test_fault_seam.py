@@ -82,7 +82,7 @@ def test_nondet_seam_is_refused_without_the_allow_variable_and_checked():
 
 def test_enospc_seam_is_refused_without_the_allow_variable_and_fails_like_a_full_disk(
         monkeypatch):
-    """Issue 26: RECOVER_HSDP_TEST_ENOSPC=N makes each save of a step >= N fail while writing
+    """RECOVER_HSDP_TEST_ENOSPC=N makes each save of a step >= N fail while writing
     with ENOSPC; disk_error finds that OSError inside DCP's CheckpointException."""
     import errno
 

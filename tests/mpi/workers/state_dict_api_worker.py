@@ -1,4 +1,4 @@
-"""Issue 26: checkpoints through torch's supported state-dict API keep the old format. Two ranks,
+"""Checkpoints through torch's supported state-dict API keep the old format. Two ranks,
 one replica of S=2 (ShardedTensors across ranks), launched by launch/local.sh:
 
     NP=2 launch/local.sh python tests/mpi/workers/state_dict_api_worker.py OUT_DIR
