@@ -40,6 +40,11 @@ CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo")
 START_S = 60.0
 
 
+def _which(name: str) -> str | None:
+    """``name`` on PATH, or in the sbin directories a non-login root PATH may lack."""
+    return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+
+
 def _fail_or_skip(msg: str) -> None:
     if os.environ.get("CI") == "1":
         pytest.fail(f"Slurm (CI=1): {msg}", pytrace=False)
@@ -55,18 +60,18 @@ def _free_port() -> int:
 def _cpus() -> int:
     """What slurmd reports for this machine (CPUs=N of `slurmd -C`), else os.cpu_count()."""
     try:
-        out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run([_which("slurmd") or "slurmd", "-C"], capture_output=True, text=True, timeout=30).stdout
         return int(out.split("CPUs=")[1].split()[0])
     except (OSError, IndexError, ValueError, subprocess.TimeoutExpired):
         return os.cpu_count() or 1
 
 
-#: slots the node offers: a 2-core CI box runs 3 ranks (oversubscribed, as every e2e test does);
-#: slurmd takes the configured count (SlurmdParameters=config_overrides)
+#: the fewest CPUs the node offers: a 2-core CI box runs 3 ranks (oversubscribed, as every e2e
+#: test does); slurmd takes the configured count (SlurmdParameters=config_overrides)
 NODE_CPUS = 4
 
 
-def slurm_conf(root: Path, host: str, ctld_port: int, slurmd_port: int) -> str:
+def slurm_conf(root: Path, host: str, ctld_port: int, slurmd_port: int, cpus: int) -> str:
     return "\n".join([
         "ClusterName=rhsdptest",
         f"SlurmctldHost={host}",
@@ -102,7 +107,7 @@ def slurm_conf(root: Path, host: str, ctld_port: int, slurmd_port: int) -> str:
         "MinJobAge=600",
         "KillWait=5",
         "InactiveLimit=0",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} State=UNKNOWN",
+        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
         f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP",
         ""])
 
@@ -215,7 +220,7 @@ def _start(slurm: Slurm, name: str, cmd: list[str], env: dict) -> None:
 
 @contextlib.contextmanager
 def one_node_slurm(dl: Deadline) -> Iterator[Slurm]:
-    missing = [b for b in DAEMONS + CLIENTS if shutil.which(b) is None]
+    missing = [b for b in DAEMONS + CLIENTS if _which(b) is None]
     if missing:
         _fail_or_skip(f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge; "
                       f".ci/run does it)")
@@ -232,16 +237,17 @@ def one_node_slurm(dl: Deadline) -> Iterator[Slurm]:
         key = root / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        slurm.conf.write_text(slurm_conf(root, host, _free_port(), _free_port()))
+        slurm.conf.write_text(slurm_conf(root, host, _free_port(), _free_port(),
+                                          max(NODE_CPUS, _cpus()))))
         env = slurm.env()
-        _start(slurm, "munged", ["munged", "-F", "--force", f"--socket={root}/munge.sock",
+        _start(slurm, "munged", [_which("munged"), "-F", "--force", f"--socket={root}/munge.sock",
                                  f"--key-file={key}", f"--pid-file={root}/munged.pid",
                                  f"--log-file={root}/munged.log",
                                  f"--seed-file={root}/munged.seed"], env)
         until(lambda: (root / "munge.sock").exists(), dl.sub(START_S), "munged's socket",
               alive=slurm.alive, detail=slurm.logs)
-        _start(slurm, "slurmctld", ["slurmctld", "-D", "-i", "-f", str(slurm.conf)], env)
-        _start(slurm, "slurmd", ["slurmd", "-D", "-f", str(slurm.conf), "-N", host], env)
+        _start(slurm, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(slurm.conf)], env)
+        _start(slurm, "slurmd", [_which("slurmd"), "-D", "-f", str(slurm.conf), "-N", host], env)
         sub = dl.sub(START_S)
 
         def idle():
