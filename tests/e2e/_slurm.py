@@ -238,7 +238,7 @@ def one_node_slurm(dl: Deadline) -> Iterator[Slurm]:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         slurm.conf.write_text(slurm_conf(root, host, _free_port(), _free_port(),
-                                          max(NODE_CPUS, _cpus()))))
+                                          max(NODE_CPUS, _cpus())))
         env = slurm.env()
         _start(slurm, "munged", [_which("munged"), "-F", "--force", f"--socket={root}/munge.sock",
                                  f"--key-file={key}", f"--pid-file={root}/munged.pid",
@@ -259,7 +259,7 @@ def one_node_slurm(dl: Deadline) -> Iterator[Slurm]:
         except AssertionError as e:
             tail = [ln for ln in slurm.logs(3).splitlines() if ln.strip()][-1:]
             _fail_or_skip(f"the one-node cluster did not come up ({str(e).splitlines()[0]}; "
-                          f"{tail[0] if tail else 'no log'}; logs in {root})")
+                          f"{tail[0] if tail else 'no log'}; RECOVER_HSDP_KEEP_SLURM=1 keeps {root})")
         yield slurm
     finally:
         slurm.kill_all(Deadline(60))
