@@ -10,7 +10,9 @@
 
 The template's #SBATCH lines are for a GPU cluster; the test overrides them on sbatch's command
 line (one node, 3 tasks, 1 CPU each, no GPUs, a short --time, --output into the test's tmp).
-Cost on a quiet 2-core box: about 15 s (cluster start ~1 s, each job ~10 s...)."""
+Slurm holds a requeued job ~120 s (its BeginTime): the test moves it on with `scontrol update
+StartTime=now`. Cost: cluster start ~1-2 s; ~50-85 s per test at nice 19 beside a full suite run
+(load ~8 on 2 cores), about 30-40 s each on a quiet box (two launches + one verify each)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +25,7 @@ import pytest
 from recover_hsdp.record import read_run
 from tests._gate import TestGate
 from tests._procs import run
+from tests._wait import until
 from tests.e2e._launch import REPO, one_thread
 from tests.e2e._slurm import one_node_slurm
 from tests.e2e.test_failstop import SMALL
@@ -102,7 +105,6 @@ def test_sbatch_template_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, 
     gate.wait_held(hold, deadline, alive=running, detail=lambda: _out(tmp_path, job))
     # what Slurm sends --signal=B:USR1@300 before the time limit: to the batch shell only
     slurm.cli(["scancel", "--batch", "--signal=USR1", str(job)], deadline)
-    from tests._wait import until
     until(lambda: (out / "checkpoints" / "STOP").exists(), deadline,
           "the launcher's stop request (checkpoints/STOP)", alive=running,
           detail=lambda: _out(tmp_path, job))
