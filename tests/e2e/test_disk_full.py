@@ -23,7 +23,7 @@ SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn
          "parallel.seq_len=16", "parallel.micro_batch_size=1", "run.save_params_every=1"]
 
 
-def test_enospc_in_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_path):
+def test_enospc_in_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_path, deadline):
     out = tmp_path / "run"
     out.mkdir()
     (out / "errors").write_text("a file where errors/ goes: errors/ is unwritable\n")
@@ -37,7 +37,8 @@ def test_enospc_in_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_pat
                 f"run.output_dir={out}"]
         p = subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "train", *args],
                            cwd=tmp_path, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=360,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=deadline.left() * 0.6,     # the rest: the resume below
                            start_new_session=True)
         console = p.stdout
         assert p.returncode != 0, console[-4000:]
@@ -61,7 +62,7 @@ def test_enospc_in_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_pat
         env.pop("RECOVER_HSDP_TEST_ENOSPC")
         p = subprocess.run([sys.executable, "-m", "recover_hsdp.cli", "train", *args,
                             "run.resume=true"], cwd=tmp_path, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=deadline.left(),
                            start_new_session=True)
         assert p.returncode == 0, p.stdout[-4000:]
         assert f"resumed from {ckpt_path(out, 2)} at step 2" in p.stdout, p.stdout[-4000:]

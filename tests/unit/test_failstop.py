@@ -87,8 +87,8 @@ def test_unwritable_errors_dir_one_line_per_rank_one_traceback_per_cause(tmp_pat
         assert str(fb / f"rank{g}.traceback.txt") in first, err
     assert "Traceback (most recent call last)" in lines[0]        # the first with the cause
     assert len(lines[1].splitlines()) == 1 and len(lines[2].splitlines()) == 1, lines
-    assert [e["rank"] for e in fs.read_errors(run)] == [0, 1, 2]
-    line, code = fs.common_error(run, 3, 1)
+    assert [e["rank"] for e in judge.read_errors(run)] == [0, 1, 2]
+    line, code = judge.common_error(run, 3, 1)
     assert "No space left on device" in line and str(fb / "rank0.traceback.txt") in line
     assert code == 1 and "\n" not in line
 
