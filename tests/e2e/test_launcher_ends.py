@@ -42,6 +42,17 @@ def _mpirun_of(pid: int) -> int:
     raise AssertionError(f"no mpirun under pid {pid}")
 
 
+def _train(tmp_path: Path, gate: TestGate, W: int, steps: int, out: Path, *extra: str):
+    """`recover-hsdp train` of the tiny model in its own session, held by ``gate``."""
+    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
+    e.pop("OMPI_COMM_WORLD_RANK", None)
+    return subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
+                             f"parallel.replicas={W}", f"run.steps={steps}",
+                             f"run.output_dir={out}", *extra, *SMALL],
+                            cwd=tmp_path, env=e, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.mark.timeout(300)
 def test_stopped_mpirun_after_the_ranks_finished_is_stopped_and_the_run_judged_ok(tmp_path):
     dl = Deadline(270)
@@ -51,13 +62,7 @@ def test_stopped_mpirun_after_the_ranks_finished_is_stopped_and_the_run_judged_o
     # 3 steps, 288 KiB per rank, past the 64 KiB a pipe holds (faults/console.py: not a wedge)
     gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200,
                     chatter_bytes=96 * 1024)
-    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
-    e.pop("OMPI_COMM_WORLD_RANK", None)
-    p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
-                          f"parallel.replicas={W}", f"run.steps={steps}",
-                          f"run.output_dir={out}", *SMALL],
-                         cwd=tmp_path, env=e, start_new_session=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = _train(tmp_path, gate, W, steps, out)
     try:
         gate.wait_held(at, dl, alive=lambda: p.poll() is None,
                        detail=lambda: p.stdout.read()[-4000:])
@@ -84,13 +89,7 @@ def test_a_rank_killed_while_mpirun_is_stopped_ends_the_run_within_the_bound(tmp
     W, steps, at, hang = 3, 8, 4, 5.0
     out = tmp_path / "run"
     gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200)
-    e = dict(os.environ, PYTHONPATH=str(REPO), **gate.env())
-    e.pop("OMPI_COMM_WORLD_RANK", None)
-    p = subprocess.Popen([sys.executable, "-m", "recover_hsdp.cli", "train",
-                          f"parallel.replicas={W}", f"run.steps={steps}",
-                          f"watchdog.hang_timeout_s={hang}", f"run.output_dir={out}", *SMALL],
-                         cwd=tmp_path, env=e, start_new_session=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = _train(tmp_path, gate, W, steps, out, f"watchdog.hang_timeout_s={hang}")
     try:
         gate.wait_held(at, dl, alive=lambda: p.poll() is None,
                        detail=lambda: p.stdout.read()[-4000:])
