@@ -30,7 +30,7 @@ $(EXT_STAMP): $(STAMP) $(CSRC) setup.py
 build: $(EXT_STAMP)
 
 test: build
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=50 tests
 
 test-unit: build
 	$(PY) -m pytest -q -ra tests/unit
