@@ -124,7 +124,10 @@ def test_sbatch_template_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, 
     st = slurm.wait_job(job, deadline, moved, f"job {job} requeued, resumed and ended",
                         detail=lambda: _out(tmp_path, job))
     text = _out(tmp_path, job)[-6000:]
-    assert (st["JobState"], st["ExitCode"], st["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    # a requeued run that FAILED (1:0) before its script printed anything was seen once (cause
+    # not known): slurmctld's and slurmd's own lines are the only record of why
+    assert (st["JobState"], st["ExitCode"], st["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"{text}\njob {st}\n{slurm.logs(40)}"
     full = _out(tmp_path, job)
     assert "SIGUSR1: the ranks checkpoint at step" in full, text
     assert f"train exit 4 (checkpointed on request): scontrol requeue {job}" in full, text
