@@ -40,6 +40,12 @@ NO_DECAY_SUBSTRING = "norm"
 _PREFIX_RE = re.compile("|".join(re.escape(p) for p in WRAPPER_PREFIXES))
 
 
+#: the optim keys a resume may change (a one-line notice; recorded per segment in
+#: segments.jsonl; verify replays each segment under its own): the schedule and the clip
+RESUME_MUTABLE = ("lr", "warmup_steps", "min_lr_ratio", "total_steps", "grad_clip",
+                  "max_skipped_steps")
+
+
 class OptimConfigError(ValueError):
     """An optimizer setting is invalid; the message names the key and the values."""
 

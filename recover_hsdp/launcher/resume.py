@@ -38,6 +38,7 @@ from typing import Any
 from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, JobResult,  # noqa: F401
                                        baseline_name, holds_run, job_command, job_env,
                                        print_error)
+from recover_hsdp.optim import RESUME_MUTABLE
 from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK,  # noqa: F401
                                          EXIT_PREEMPTED, EXIT_TIME_LIMIT)
 
@@ -49,10 +50,9 @@ def wants_supervisor(cfg) -> bool:
                                              or int(el.min_replicas) > 0 or bool(el.rejoin))
 
 
-#: optimizer settings a resume may change (a one-line notice; recorded per segment in
-#: segments.jsonl; verify replays each segment under its own): the schedule and the clip
-RESUME_MUTABLE_OPTIM = ("lr", "warmup_steps", "min_lr_ratio", "total_steps", "grad_clip",
-                        "max_skipped_steps")
+#: optimizer settings a resume may change: named next to their dataclass (optim.py), so this
+#: file names no optim key (the walk of a key, docs/architecture.md)
+RESUME_MUTABLE_OPTIM = RESUME_MUTABLE
 
 
 def resume_changes(cfg, st: dict) -> list[str]:

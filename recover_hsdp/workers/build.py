@@ -77,6 +77,25 @@ class RankBuild:
 
         return next_token_loss(module(x), y, tokens_per_microbatch=self.tokens_per_microbatch)
 
+    def manager(self, model, *, width: int, **kw: Any):
+        """The trainer's HSDPULFMTrainingManager over ``model``: every keyword the config gives
+        is handed over HERE (the one place between the config and the manager that names an
+        optim key, docs/architecture.md); ``width``: the sources' slice count; ``kw``: what
+        only the loop knows (the device)."""
+        from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
+        from recover_hsdp.model import fsdp_wrap_policy
+
+        cfg, par = self.cfg, self.cfg.parallel
+        return HSDPULFMTrainingManager(
+            model, optimizer_factory=self.optimizer_factory,
+            microbatch_fn=self.microbatch_fn(width), loss_fn=self.loss_fn,
+            replicas=par.replicas, shard_size=par.shard_size, grad_accum=par.grad_accum,
+            auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name, lr_fn=self.lr_fn,
+            restore_enabled=cfg.debug.restore_enabled,
+            shard_timeout_s=cfg.watchdog.shard_timeout_s, mixed_precision=par.mixed_precision,
+            grad_clip=self.optim.clip, max_skipped_steps=self.optim.max_skipped_steps,
+            standby=par.standby, **kw)
+
     # --- the data --------------------------------------------------------------------------
     def source(self, data_slice: int, width: int):
         """The microbatch source of one data slice of ``width`` (built once, then cached)."""

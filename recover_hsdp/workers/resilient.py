@@ -26,8 +26,6 @@ def run_worker(cfg: Any) -> int:
     ``cfg``: the TrainConfig the launcher validated (or its file, or a DictConfig over it)."""
     from recover_hsdp.faults import FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
-    from recover_hsdp.hsdp.manager import HSDPULFMTrainingManager
-    from recover_hsdp.model import fsdp_wrap_policy
     from recover_hsdp.optim import NonFiniteGradError
     from recover_hsdp.record import RunSummary, StepRecord
 
@@ -48,16 +46,7 @@ def run_worker(cfg: Any) -> int:
     w0 = _source_width(W)       # sources by INITIAL slice (a resume may change W)
 
     device = rank_device(run.gpus_per_node, S, run.device)
-    mgr = HSDPULFMTrainingManager(
-        model, optimizer_factory=b.optimizer_factory,
-        microbatch_fn=b.microbatch_fn(w0), loss_fn=b.loss_fn, replicas=W, shard_size=S,
-        grad_accum=G, auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name,
-        lr_fn=b.lr_fn,
-        restore_enabled=cfg.debug.restore_enabled,
-        shard_timeout_s=cfg.watchdog.shard_timeout_s, device=device,
-        mixed_precision=par.mixed_precision,
-        grad_clip=b.optim.clip, max_skipped_steps=b.optim.max_skipped_steps,
-        standby=par.standby)
+    mgr = b.manager(model, width=w0, device=device)   # every config keyword: build.py
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
