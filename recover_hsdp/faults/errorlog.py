@@ -1,4 +1,5 @@
-"""The ranks' error records: where a failing rank puts its record, and the ONE reader of them.
+"""The ranks' error records, rank side: where a failing rank puts its record (the launcher's one
+reader of them is launcher/errors.py).
 
 A rank that leaves as a fail-stop (faults/failstop.py ``fail_stop``) writes its record (one JSON
 line: class, message, where, step, rank, host, ...) and its traceback to the first of:
@@ -13,12 +14,8 @@ line: class, message, where, step, rank, host, ...) and its traceback to the fir
 3. :func:`fallback_dir`: /dev/shm on the rank's node (seen only by a launcher on that node);
 4. nothing: the rank prints its traceback on the console (failstop.fail_stop).
 
-The launcher reads them with :func:`read_errors` alone (launcher/judge.py ``read_errors``,
-``dead_replicas``, ``common_error``; launcher/startup.py ``errors_logged``): ``errors/``, then the
-records of every store this process serves (:func:`register_store`; each record is first
-written down on the LAUNCHER's side: ``errors/`` when it can write it, where a rank on another
-node could not, else its own :func:`fallback_dir`, else kept in memory), then
-:func:`fallback_dir`. A record found in two places counts once (by its file name, rank{g}.json).
+The launcher reads them with launcher/errors.py ``read_errors`` alone: ``errors/``, the records
+posted to the stores it serves (written down on ITS side first), then :func:`fallback_dir`.
 
 No import of failstop here (failstop imports this module); torch only inside :func:`post`.
 """
@@ -103,8 +100,10 @@ def post(run_dir: os.PathLike | str, rec: dict, tb: str, cause: str,
 
             import torch.distributed as dist
 
+            # the store's own timeout ends inside the join's (its retries log while fd 2 is off)
             store = dist.TCPStore(host, int(port), None, is_master=False,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+                                  timeout=timedelta(seconds=max(0.1, 0.8 * timeout_s)),
+                                  wait_for_workers=False)
             n = store.add(COUNT, 1)
             store.set(f"{PREFIX}{n}", payload)
             box["first"] = store.add(_cause_key(Path(run_dir), cause), 1) == 1
@@ -142,70 +141,8 @@ def _quiet_stderr() -> Optional[int]:
     return saved
 
 
-# ------------------------------------------------------------------------- the launcher's side
-_lock = threading.Lock()
-_stores: list[list] = []                     # [master TCPStore, numbers already read]
-_memory: dict[str, dict[str, dict]] = {}     # run tag -> rank{g}.json -> record (nowhere to write)
-
-
-def register_store(store: Any) -> None:
-    """The launcher serves ``store`` (hsdp/topology.py serve_store): read_errors reads it."""
-    with _lock:
-        _stores.append([store, set()])
-
-
-def unregister_store(store: Any) -> None:
-    """Before the store goes: every record posted to it is read (written down) first."""
-    harvest()
-    with _lock:
-        _stores[:] = [s for s in _stores if s[0] is not store]
-
-
-def _materialize(item: dict) -> None:
-    rec, run_dir = dict(item["record"], via="store"), Path(item["run_dir"])
-    name = f"rank{rec['rank']}.json"
-    for d in (run_dir / ERRORS_DIR, fallback_dir(run_dir)):
-        if (d / name).is_file():
-            return
-        try:
-            write_record(d, rec, item.get("traceback") or "")
-            return
-        except (OSError, KeyError, TypeError):
-            continue
-    _memory.setdefault(run_tag(run_dir), {}).setdefault(
-        name, dict(rec, traceback="not written down: no writable place on the launcher's node"))
-
-
-def harvest() -> None:
-    """Read the records posted to the stores this process serves that were not read yet (a
-    number taken but not set yet is read at a later call). No wait: check() does not block."""
-    with _lock:
-        for entry in _stores:
-            store, done = entry
-            try:
-                n = int(store.add(COUNT, 0))
-                for i in range(1, n + 1):
-                    key = f"{PREFIX}{i}"
-                    if i in done or not store.check([key]):
-                        continue
-                    _materialize(json.loads(store.get(key).decode()))
-                    done.add(i)
-            except Exception:  # noqa: BLE001 - a store going away: what was read stays
-                continue
-
-
-def read_errors(run_dir: os.PathLike | str) -> list[dict]:
-    """Every rank's error record of ``run_dir``, by file name (rank{g}.json), from errors/, the
-    stores this process serves, and :func:`fallback_dir` (module docstring)."""
-    harvest()
-    out: dict[str, dict] = {}
-    for d in (Path(run_dir) / ERRORS_DIR, fallback_dir(run_dir)):
-        for p in sorted(d.glob("rank*.json")) if d.is_dir() else ():
-            try:
-                out.setdefault(p.name, json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-    with _lock:
-        for name, rec in _memory.get(run_tag(run_dir), {}).items():
-            out.setdefault(name, rec)
-    return [out[k] for k in sorted(out)]
+#: the stores this process serves (hsdp/topology.py serve_store adds and removes them) and what
+#: runs before one goes (launcher/errors.py: read the records ranks posted there). Here, in a
+#: torch-free module below both, so that the launcher need not import torch to read them.
+served_stores: list = []
+store_close_hooks: list = []

@@ -353,7 +353,8 @@ def serve_store(host: str | None = None, *, timeout_s: float = DEFAULT_STORE_TIM
 
     Run it in the process that starts mpirun (not a training rank) and export the address as
     ``RECOVER_HSDP_STORE`` to the ranks. A rank whose errors/ is unwritable posts its error
-    record here (faults/errorlog.py); the launcher's read_errors reads it. ``host`` defaults to this machine's hostname (use the
+    record here (faults/errorlog.py); launcher/errors.py reads it (``errorlog.served_stores``, and
+    ``errorlog.store_close_hooks`` before the store goes). ``host`` defaults to this machine's hostname (use the
     address the ranks can reach; 127.0.0.1 for a one-machine job).
     """
     from recover_hsdp.faults import errorlog
@@ -361,9 +362,14 @@ def serve_store(host: str | None = None, *, timeout_s: float = DEFAULT_STORE_TIM
     host = host or socket.gethostname()
     store = dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    errorlog.register_store(store)   # error records ranks post here (errors/ unwritable)
+    errorlog.served_stores.append(store)     # error records ranks post (launcher/errors.py)
     try:
         yield f"{host}:{store.port}"
     finally:
-        errorlog.unregister_store(store)   # read what was posted before the store goes
+        for hook in list(errorlog.store_close_hooks):   # read what was posted, then close
+            try:
+                hook(store)
+            except Exception:  # noqa: BLE001 - a hook must not keep the store from closing
+                pass
+        errorlog.served_stores.remove(store)
         del store

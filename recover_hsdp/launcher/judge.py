@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recover_hsdp.faults.failstop import ERRORS_DIR, RANKS_DIR
+from recover_hsdp.launcher.errors import read_errors as _read_errors  # + its store hook
 from recover_hsdp.launcher.job import PROG, Job, JobResult, baseline_name
 
 EXIT_OK = 0
@@ -98,10 +99,8 @@ def reconcile_summary(run_dir: os.PathLike | str, shard_size: int) -> list[int]:
 def read_errors(run_dir: os.PathLike | str) -> list[dict]:
     """The ranks' error records, from every place a rank may have put one: errors/, the job's
     store (a rank on any node whose errors/ was unwritable), the fallback directory on this node
-    (faults/errorlog.py ``read_errors``, the one reader)."""
-    from recover_hsdp.faults.errorlog import read_errors as read
-
-    return read(run_dir)
+    (launcher/errors.py ``read_errors``, the one reader)."""
+    return _read_errors(run_dir)
 
 
 def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1

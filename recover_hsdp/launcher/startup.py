@@ -99,7 +99,7 @@ class StartupWatch:
 
     def errors_logged(self) -> bool:
         """A rank logged an error: errors/, the store or the fallback directory (read_errors)."""
-        from recover_hsdp.faults.errorlog import read_errors
+        from recover_hsdp.launcher.errors import read_errors
 
         return bool(read_errors(self.run_dir))
 

@@ -1,7 +1,7 @@
 """Error records when errors/ is unwritable (faults/errorlog.py): a rank posts its record to the
 job's store, the TCPStore the launcher serves in its own process (a real one here: serve_store,
-no mock), and the launcher's one reader (read_errors) finds it, with dead_replicas,
-errors_logged and common_error reading the same sources.
+no mock), and the launcher's one reader (launcher/errors.py read_errors) finds it, with
+dead_replicas, errors_logged and common_error reading the same sources.
 
 "Another node" is a separate process that shares nothing with the launcher but the store's
 address: its errors/ is unwritable from its side only and its /dev/shm is not the launcher's
