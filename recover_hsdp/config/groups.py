@@ -229,10 +229,15 @@ class CheckpointConfig:
     async_save: bool = True                # dcp.async_save (the step does not wait for the disk)
     keep: int = 3                          # retention: the newest K complete checkpoints; 0: all
     keep_every: int = 0                    # also keep every M-th step's checkpoint; 0: none
+    keep_params: Any = "auto"              # parameter snapshots kept: the newest K steps (+ init);
+    #                                        0: all; auto: as many as fit 8 GiB, at least 3
     resume: bool = False                   # continue run.output_dir from its newest checkpoint
 
     def __post_init__(self) -> None:
         _non_negative_ints("checkpoint", self, ("interval", "keep", "keep_every"))
+        if self.keep_params != "auto" and (not _is_int(self.keep_params) or self.keep_params < 0):
+            raise TrainConfigError(f"checkpoint.keep_params({self.keep_params!r}) must be auto or "
+                                   f"an integer >= 0")
         for key in ("async_save", "resume"):
             if not isinstance(getattr(self, key), bool):
                 raise TrainConfigError(f"checkpoint.{key}({getattr(self, key)!r}) must be true "

@@ -30,7 +30,6 @@ import re
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -38,9 +37,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from recover_hsdp.faults import errorlog
+from recover_hsdp.faults.errorlog import ERRORS_DIR, fallback_dir  # noqa: F401 - re-exported
+from recover_hsdp.faults.errorlog import write_record as _write_record
 from recover_hsdp.faults.injector import replica_lost_exit, sigkill_self
 
-ERRORS_DIR = "errors"
 RANKS_DIR = "ranks"
 ENV_RUN_DIR = "RECOVER_HSDP_RUN_DIR"
 ENV_HB_PERIOD = "RECOVER_HSDP_HEARTBEAT_S"
@@ -73,7 +74,7 @@ _PEER_PATTERNS = (
 
 _state: dict[str, Any] = {"run_dir": None, "rank": None, "replica": None, "where": None,
                           "step": None, "hooked": False,
-                          "unwritable": None}
+                          "unwritable": None, "posted": None}
 
 
 def configure(run_dir: Optional[os.PathLike | str] = None, rank: Optional[int] = None,
@@ -143,42 +144,23 @@ def error_record(exc: BaseException, where: Optional[str] = None) -> dict:
             "exit_code_hint": 2 if name in CONFIG_ERRORS or code == 2 else 1}
 
 
-def fallback_dir(run_dir: os.PathLike | str) -> Path:
-    """Where a rank's error record goes when ``errors/`` cannot be written (a full or read-only
-    disk): /dev/shm (memory: writable on a full disk), else the temp directory, in a folder
-    named after the run directory (the launcher on this node finds it: :func:`read_errors`)."""
-    tag = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"recover_hsdp-errors-{tag}"
-
-
-def _write_record(ed: Path, rec: dict, tb: str) -> Path:
-    ed.mkdir(parents=True, exist_ok=True)
-    g = rec["rank"]
-    (ed / f"rank{g}.traceback.txt").write_text(tb)
-    path = ed / f"rank{g}.json"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(dict(rec, traceback=str(ed / f"rank{g}.traceback.txt")),
-                           sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
 
 
+def _cause(rec: dict) -> str:
+    """One cause: class, message with its numbers masked (the step or rank it names), where."""
+    return f"{rec['class']}|{re.sub(r'[0-9]+', 'N', rec['message'])}|{rec['where']}"
+
+
 def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Path]:
     """Write errors/rank{g}.json (one line) and errors/rank{g}.traceback.txt; when errors/
-    cannot be written, the same into :func:`fallback_dir` (``_state["unwritable"]`` says why);
-    None when neither could be written. Never raises."""
+    cannot be written (``_state["unwritable"]`` says why), post both to the launcher's store
+    (``_state["posted"]``; bounded wait), else write them into :func:`fallback_dir`
+    (faults/errorlog.py). Returns the file written, None when none was. Never raises."""
     rec = error_record(exc, where)
     d = _run_dir()
-    _state["unwritable"] = None
+    _state["unwritable"] = _state["posted"] = None
     if d is None:
         return None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -186,8 +168,11 @@ def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Pat
         return _write_record(d / ERRORS_DIR, rec, tb)
     except Exception as e:  # noqa: BLE001 - a full disk must not keep a failed rank alive
         _state["unwritable"] = _one_line(e)
+    _state["posted"] = errorlog.post(d, rec, tb, _cause(rec))
+    if _state["posted"] is not None:
+        return None
     try:
-        return _write_record(fallback_dir(d), rec, tb)
+        return _write_record(errorlog.fallback_dir(d), rec, tb)
     except Exception:  # noqa: BLE001
         return None
 
@@ -195,9 +180,7 @@ def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Pat
 def _first_of_cause(path: Path, rec: dict) -> bool:
     """True for the first rank (on this node) to fail with this cause (class, message with its
     numbers masked, where): it alone prints the traceback on the console, the others one line."""
-    msg = re.sub(r"\d+", "N", rec["message"])     # the step or rank it names: one cause
-    key = f"{rec['class']}|{msg}|{rec['where']}".encode()
-    mark = path.parent / f"cause-{hashlib.sha1(key).hexdigest()[:12]}"
+    mark = path.parent / f"cause-{hashlib.sha1(_cause(rec).encode()).hexdigest()[:12]}"
     try:
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         return True
@@ -210,9 +193,10 @@ def fail_stop(exc: BaseException, where: Optional[str] = None,
     """Log ``exc`` (one line on stderr + the run record), then leave by SIGKILL. Never returns
     (unless ``kill`` returns, in tests). A peer failure leaves as "replica lost" instead.
 
-    When errors/ cannot be written the record goes to :func:`fallback_dir` and the line says
-    so; the traceback is then printed once per distinct cause (by the first rank with it), never
-    by every rank; only when nothing at all can be written does the rank print its own."""
+    When errors/ cannot be written the record goes to the launcher's store, else to the
+    fallback directory (faults/errorlog.py), and the line says so; the traceback is then printed
+    once per distinct cause (by the first rank with it: the store counts causes across nodes),
+    never by every rank; only when nothing at all can be written does the rank print its own."""
     if is_peer_failure(exc):
         replica_lost_exit(f"rank {_rank()}: shard group failed: "
                           f"{' '.join(str(exc).split())[:200]}", kill=kill)
@@ -222,13 +206,22 @@ def fail_stop(exc: BaseException, where: Optional[str] = None,
     unwritable = _state.get("unwritable")
     at = f" in {rec['where']}" if rec["where"] else ""
     at += f" at step {rec['step']}" if rec["step"] is not None else ""
-    tail = (f" (traceback: {path.with_suffix('').as_posix()}.traceback.txt)" if path else "")
+    posted = _state.get("posted")
+    tail = (f" (traceback: {path.with_suffix('').as_posix()}.traceback.txt)" if path else
+            f"; record and traceback sent to the launcher's store ({posted['address']})"
+            if posted else "")
     if unwritable:
         tail = f"; {ERRORS_DIR}/ unwritable ({unwritable})" + tail
     try:
         print(f"[recover_hsdp] rank {rec['rank']}: {rec['class']}: {rec['message']}{at}; "
               f"leaving by SIGKILL{tail}", file=sys.stderr, flush=True)
-        if path is None or (unwritable and _first_of_cause(path, rec)):
+        if path is None and not posted:          # nowhere: its own traceback, always
+            first = True
+        elif unwritable:                         # one traceback per cause (store: all nodes)
+            first = posted["first"] if posted else _first_of_cause(path, rec)
+        else:
+            first = False
+        if first:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     except Exception:
         pass

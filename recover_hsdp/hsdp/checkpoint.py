@@ -463,6 +463,7 @@ class TrainerCheckpointing(ResilientCheckpointer):
     def summary(self) -> dict:
         """What summary.json says of checkpoints: saves, retention and the disk they use."""
         from recover_hsdp.record.checkpoint import complete_steps, disk_bytes
+        from recover_hsdp.record.params import params_disk
 
         return {"segment": self.segment, "ckpt_saves": self.save_times,
                 "resumed_from_step": None if self.resumed is None else self.resumed["step"],
@@ -470,5 +471,5 @@ class TrainerCheckpointing(ResilientCheckpointer):
                          "checkpoints_pruned": self.pruned,
                          "keep_checkpoints": self.keep, "keep_every": self.keep_every,
                          "checkpoints_bytes": disk_bytes(self.run_dir / "checkpoints"),
-                         "params_bytes": disk_bytes(self.run_dir / "params"),
+                         **params_disk(self.run_dir),
                          "run_dir_bytes": disk_bytes(self.run_dir)}}

@@ -352,13 +352,24 @@ def serve_store(host: str | None = None, *, timeout_s: float = DEFAULT_STORE_TIM
     """Launcher side: host a TCPStore on a free port for the job's lifetime; yield "host:port".
 
     Run it in the process that starts mpirun (not a training rank) and export the address as
-    ``RECOVER_HSDP_STORE`` to the ranks. ``host`` defaults to this machine's hostname (use the
+    ``RECOVER_HSDP_STORE`` to the ranks. A rank whose errors/ is unwritable posts its error
+    record here (faults/errorlog.py); launcher/errors.py reads it (``errorlog.served_stores``, and
+    ``errorlog.store_close_hooks`` before the store goes). ``host`` defaults to this machine's hostname (use the
     address the ranks can reach; 127.0.0.1 for a one-machine job).
     """
+    from recover_hsdp.faults import errorlog
+
     host = host or socket.gethostname()
     store = dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
+    errorlog.served_stores.append(store)     # error records ranks post (launcher/errors.py)
     try:
         yield f"{host}:{store.port}"
     finally:
+        for hook in list(errorlog.store_close_hooks):   # read what was posted, then close
+            try:
+                hook(store)
+            except Exception:  # noqa: BLE001 - a hook must not keep the store from closing
+                pass
+        errorlog.served_stores.remove(store)
         del store

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recover_hsdp.faults.failstop import ERRORS_DIR, RANKS_DIR
+from recover_hsdp.launcher.errors import read_errors as _read_errors  # + its store hook
 from recover_hsdp.launcher.job import PROG, Job, JobResult, baseline_name
 
 EXIT_OK = 0
@@ -40,18 +41,22 @@ EXIT_INTERRUPTED = 130
 def dead_replicas(run_dir: os.PathLike | str, shard_size: int) -> dict[int, str]:
     """{replica: evidence} for every replica a rank of which left a death marker: a scheduled
     kill (faults/fired.rank{g}.json), a hung-rank verdict (faults/hung.rank{g}.json) or an error
-    fail-stop (errors/rank{g}.json). Each of those ranks is SIGKILLed right after writing it."""
+    fail-stop (errors/rank{g}.json, or where a rank put it when errors/ was unwritable:
+    read_errors). Each of those ranks is SIGKILLed right after writing it."""
     d = Path(run_dir)
     out: dict[int, str] = {}
     for sub, pat, what in (("faults", "fired.rank*.json", "scheduled kill"),
-                           ("faults", "hung.rank*.json", "hung"),
-                           (ERRORS_DIR, "rank*.json", "error")):
+                           ("faults", "hung.rank*.json", "hung")):
         for p in sorted((d / sub).glob(pat)) if (d / sub).is_dir() else ():
             try:
                 g = int(p.name.split("rank")[1].split(".")[0])
             except (IndexError, ValueError):
                 continue
             out.setdefault(g // max(1, int(shard_size)), f"{what} of rank {g}")
+    for e in read_errors(d):          # errors/, the store, the fallback directory
+        g = e.get("rank")
+        if isinstance(g, int) and g >= 0:
+            out.setdefault(g // max(1, int(shard_size)), f"error of rank {g}")
     return out
 
 
@@ -92,18 +97,10 @@ def reconcile_summary(run_dir: os.PathLike | str, shard_size: int) -> list[int]:
 # The launcher's reading of errors/
 # ---------------------------------------------------------------------------------------------
 def read_errors(run_dir: os.PathLike | str) -> list[dict]:
-    """The ranks' error records: errors/, then (for ranks it lacks) the fallback_dir a rank
-    used when errors/ was unwritable (on this node: the launcher's)."""
-    from recover_hsdp.faults.failstop import fallback_dir
-
-    out: dict[str, dict] = {}
-    for d in (Path(run_dir) / ERRORS_DIR, fallback_dir(run_dir)):
-        for p in sorted(d.glob("rank*.json")) if d.is_dir() else ():
-            try:
-                out.setdefault(p.name, json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-    return [out[k] for k in sorted(out)]
+    """The ranks' error records, from every place a rank may have put one: errors/, the job's
+    store (a rank on any node whose errors/ was unwritable), the fallback directory on this node
+    (launcher/errors.py ``read_errors``, the one reader)."""
+    return _read_errors(run_dir)
 
 
 def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1
@@ -287,11 +284,17 @@ def launch_shape(run_dir: os.PathLike | str, np: int) -> tuple[int, int]:
     return len(reps), np // len(reps)
 
 
-def _cause(d: Path, g: int) -> tuple[str, str]:
-    """(cause, evidence file) of rank g's failure; ("", "") if it exited 0 with its done mark."""
-    err = _read(d / ERRORS_DIR / f"rank{g}.json")
+def _cause(d: Path, g: int, errs: Optional[dict] = None) -> tuple[str, str]:
+    """(cause, evidence file) of rank g's failure; ("", "") if it exited 0 with its done mark.
+    ``errs``: rank -> error record (read_errors: errors/, the store, the fallback directory)."""
+    if errs is None:
+        errs = {e.get("rank"): e for e in read_errors(d)}
+    err = errs.get(g)
     if err is not None:
-        return f"{err.get('class')}: {err.get('message')}", f"{ERRORS_DIR}/rank{g}.json"
+        where = f"{ERRORS_DIR}/rank{g}.json"      # else where the launcher wrote it down
+        if not (d / where).is_file() and err.get("traceback"):
+            where = str(err["traceback"]).replace(".traceback.txt", ".json")
+        return f"{err.get('class')}: {err.get('message')}", where
     for kind, what in (("hung", "judged hung by the watchdog (no heartbeat or no progress)"),
                        ("reaped", "reaped: a still mate of a rank that died"),
                        ("fired", "a scheduled kill (failure simulator)")):
@@ -314,7 +317,8 @@ def judge_launch(run_dir: os.PathLike | str, np: int, stopped: Optional[str] = N
     the time limit / an interrupt stopped a job that had not succeeded)."""
     d = Path(run_dir)
     W, S = launch_shape(d, np)
-    bad: dict[int, tuple[str, str]] = {g: c for g in range(np) if (c := _cause(d, g))[0]}
+    errs = {e.get("rank"): e for e in read_errors(d)}
+    bad: dict[int, tuple[str, str]] = {g: c for g in range(np) if (c := _cause(d, g, errs))[0]}
     done = [r for r in range(W) if not any(g in bad for g in range(r * S, r * S + S))]
     lost = [r for r in range(W) if r not in done]
     by_cause: dict[str, list[int]] = {}

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from recover_hsdp.faults.failstop import ERRORS_DIR, RANKS_DIR
+from recover_hsdp.faults.failstop import RANKS_DIR
 from recover_hsdp.faults.startup import PHASES  # noqa: F401  (the phases a rank marks)
 from recover_hsdp.launcher.reaper import alive as _alive
 
@@ -98,8 +98,10 @@ class StartupWatch:
         return steps.is_dir() and any(steps.iterdir())
 
     def errors_logged(self) -> bool:
-        d = self.run_dir / ERRORS_DIR
-        return d.is_dir() and any(d.glob("rank*.json"))
+        """A rank logged an error: errors/, the store or the fallback directory (read_errors)."""
+        from recover_hsdp.launcher.errors import read_errors
+
+        return bool(read_errors(self.run_dir))
 
     def poll(self, now: Optional[float] = None) -> Optional[str]:
         if self.formed:

@@ -273,13 +273,18 @@ def truncate_steps(run_dir: str | os.PathLike, resume_step: int, segment: int) -
         if drop or _torn:
             atomic_write(path, b"".join(dumps_line(r) for r in keep))
     # parameter snapshots of those steps too: the resumed segment (maybe of another width)
-    # writes its own, and a stale copy of a replica it no longer has would be compared
+    # writes its own, and a stale copy of a replica it no longer has would be compared. Only
+    # the newest resume's are kept there (nothing reads them; retention, docs/checkpoint.md)
     params = Path(run_dir) / "params"
     if params.is_dir():
+        old = params / "discarded"
         for p in sorted(params.iterdir()):
             m = re.match(r"^step(\d+)$", p.name)
             if m and int(m.group(1)) >= resume_step:
-                d = params / "discarded" / f"seg{segment}"
+                d = old / f"seg{segment}"
+                if not d.is_dir() and old.is_dir():        # an earlier resume's: gone
+                    for q in old.iterdir():
+                        shutil.rmtree(q, ignore_errors=True)
                 d.mkdir(parents=True, exist_ok=True)
                 os.replace(p, d / p.name)
     return moved

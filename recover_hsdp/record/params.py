@@ -56,15 +56,63 @@ def snapshot_every(setting, shard_bytes: int) -> int:
     return setting
 
 
+#: checkpoint.keep_params=auto: the newest snapshots that fit this many bytes (at least 3)
+AUTO_KEEP_PARAMS_BYTES = 8 * 2**30
+AUTO_KEEP_PARAMS_MIN = 3
+
+
+def snapshots_kept(setting, step_bytes: int) -> int:
+    """The number of snapshot steps ``checkpoint.keep_params`` keeps (docs/checkpoint.md).
+
+    An integer K >= 0 is kept (0: all). ``"auto"``: as many steps as fit 8 GiB, at least 3, where
+    ``step_bytes`` is one step's snapshot: every rank's parameter shard (W x S shards)."""
+    if setting == "auto":
+        return max(AUTO_KEEP_PARAMS_MIN, AUTO_KEEP_PARAMS_BYTES // max(1, int(step_bytes)))
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+        raise ValueError(f"keep_params must be 'auto' or an integer >= 0 (got {setting!r})")
+    return setting
+
+
+def prune_params(run_dir: str | Path, shard_index: int, replica: int, keep: int) -> list[int]:
+    """Retention of ONE copy (shard j, replica r): delete its files of every step but the newest
+    ``keep`` (0: keep all) and return those steps. ``params/init`` is never touched. Called by
+    the rank that owns the copy right after its newest file is complete (atomic_write renamed
+    it), so a step is only ever removed once ``keep`` newer complete copies exist; no other rank
+    writes or deletes this copy's files. A step directory left empty is removed (another
+    rank's copy in it keeps it: ENOTEMPTY is ignored)."""
+    if keep <= 0:
+        return []
+    root = Path(run_dir) / PARAMS_DIR
+    name = f"shard{shard_index}.replica{replica}.pt"
+    mine = sorted(int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
+                  if (m := _STEP.match(p.name)) and (p / name).is_file())
+    gone = []
+    for s in mine[:-keep]:
+        d = step_dir(run_dir, s)
+        try:
+            (d / name).unlink()
+        except FileNotFoundError:
+            pass
+        gone.append(s)
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    return gone
+
+
 class ParamWriter:
     """Snapshots of one rank's parameter shard.
 
     ``every`` = N saves steps with step % N == 0 plus ``final_step`` (if given) and anything saved
     with ``force=True`` (e.g. the last step when the run ends early); ``every=0`` saves only those.
+    ``keep`` = K > 0: after each save, this copy's files of all but the newest K steps are
+    deleted (:func:`prune_params`; the init is kept); 0: all are kept.
     """
 
     def __init__(self, run_dir: str | Path, global_rank: int, replica: int, shard_index: int,
-                 every: int = 1, final_step: int | None = None, fsync: bool = True):
+                 every: int = 1, final_step: int | None = None, fsync: bool = True,
+                 keep: int = 0):
         if every < 0:
             raise ValueError(f"every must be >= 0, got {every}")
         self.run_dir = Path(run_dir)
@@ -75,6 +123,8 @@ class ParamWriter:
         self.final_step = final_step
         self.fsync = fsync
         self.saved: list[int] = []
+        self.keep = int(keep)
+        self.pruned: list[int] = []
 
     def due(self, step: int) -> bool:
         return (step == INIT_STEP or step == self.final_step
@@ -98,6 +148,8 @@ class ParamWriter:
         path = param_file(self.run_dir, step, self.shard_index, self.replica)
         atomic_write(path, buf.getvalue(), fsync=self.fsync)
         self.saved.append(step)
+        if step != INIT_STEP:      # the new copy is complete: older ones past the newest K go
+            self.pruned += prune_params(self.run_dir, self.shard_index, self.replica, self.keep)
         return path
 
     def save_initial(self, tensors: Mapping[str, "object"]) -> Path | None:
@@ -123,6 +175,15 @@ def param_steps(run_dir: str | Path) -> list[int]:
             elif (m := _STEP.match(p.name)) and any(_COPY.match(q.name) for q in p.iterdir()):
                 out.append(int(m.group(1)))
     return sorted(out)
+
+
+def params_disk(run_dir: str | Path) -> dict:
+    """What summary.json says of ``params/`` (docs/checkpoint.md): the snapshot steps on disk
+    and the bytes of the directory (params/discarded included)."""
+    from recover_hsdp.record.checkpoint import disk_bytes
+
+    return {"params_kept": param_steps(run_dir),
+            "params_bytes": disk_bytes(Path(run_dir) / PARAMS_DIR)}
 
 
 def param_copies(run_dir: str | Path, step: int) -> dict[int, dict[int, Path]]:

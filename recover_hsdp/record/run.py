@@ -119,12 +119,14 @@ class RunRecorder:
     """
 
     def __init__(self, run_dir: str | Path, global_rank: int, replica: int, shard_index: int,
-                 params_every: int = 1, final_step: int | None = None, fsync: bool = True):
+                 params_every: int = 1, final_step: int | None = None, fsync: bool = True,
+                 params_keep: int = 0):
         self.run_dir = Path(run_dir)
         self.global_rank = global_rank
         self.fsync = fsync
         self.params = ParamWriter(self.run_dir, global_rank, replica, shard_index,
-                                  every=params_every, final_step=final_step, fsync=fsync)
+                                  every=params_every, final_step=final_step, fsync=fsync,
+                                  keep=params_keep)
         self._steps: StepWriter | None = None
 
     def start(self, meta: Mapping, config: Mapping | str | None = None,

@@ -28,6 +28,7 @@ def run_worker(cfg: Any) -> int:
     from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.optim import NonFiniteGradError
     from recover_hsdp.record import RunSummary, StepRecord
+    from recover_hsdp.record.params import params_disk
 
     b = RankBuild.from_config(cfg)  # tokenizer, model, optimizer, data, loss, recorder
     cfg = b.cfg
@@ -50,11 +51,13 @@ def run_worker(cfg: Any) -> int:
     n_buckets = len(fh.grad_shard_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
-    from recover_hsdp.record.params import snapshot_every
+    from recover_hsdp.record.params import snapshot_every, snapshots_kept
 
     shard_bytes = sum(t.numel() * t.element_size() for t in fh.local_flat_shards(mgr.module))
     every = snapshot_every(run.save_params_every, shard_bytes)
-    recorder = b.recorder(mgr.rank, mgr.replica, mgr.shard_index, params_every=every)
+    keep_params = snapshots_kept(cfg.checkpoint.keep_params, shard_bytes * W * S)
+    recorder = b.recorder(mgr.rank, mgr.replica, mgr.shard_index, params_every=every,
+                          params_keep=keep_params)
     mgr.set_failure_schedule(schedule, before_kill=recorder.fault_fired)
     # meta.json must be byte-identical on every rank: describe the layout as seen by shard 0
     # (flat_shard_from_full derives any shard j from padded_numel and shard_size)
@@ -68,7 +71,8 @@ def run_worker(cfg: Any) -> int:
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
             "policy": cfg.policy.name,
-            "restore_enabled": mgr.restore_enabled, "save_params_every": every, "processes_per_replica": S,
+            "restore_enabled": mgr.restore_enabled, "save_params_every": every,
+            "keep_params": keep_params, "processes_per_replica": S,
             **({"standby": mgr.standby} if mgr.standby else {}),   # idle standby replicas
             "mixed_precision": mgr.mixed_precision if isinstance(mgr.mixed_precision, str)
             else "custom", "device": mgr.device.type,
@@ -165,7 +169,7 @@ def run_worker(cfg: Any) -> int:
                    "standbys_left": list(mgr.cross.pool)} if mgr.standby else {}),
                "final_loss": getattr(last, "loss", None)
                if math.isfinite(getattr(last, "loss", 0.0)) else None,
-               **(ck.summary() if ck else {})})
+               **(ck.summary() if ck else {"disk": params_disk(run_dir)})})
     recorder.finish(summary)
     recorder.close()
     if _is_logger(mgr):

@@ -3,7 +3,8 @@ faults/seam.py: every save from step 4 on fails while writing, as on a full disk
 unwritable too (a file stands where the directory goes). The previous complete checkpoint stays
 intact (a resume from it, the disk freed, finishes the run), the partial one is gone, every rank
 prints ONE line (not its traceback: one traceback for the one cause), and the run ends non-zero
-with one line naming the disk, without relaunching into the same disk (run.max_restarts left)."""
+with one line naming the disk, without relaunching into the same disk (run.max_restarts left).
+The ranks' error records travel through the job's store (faults/errorlog.py)."""
 from __future__ import annotations
 
 import os
@@ -51,6 +52,16 @@ def test_enospc_in_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_pat
         lines = [x for x in console.splitlines() if "CheckpointDiskError" in x and "rank" in x
                  and "leaving by SIGKILL" in x]
         assert len(lines) == 2 and all("errors/ unwritable" in x for x in lines), console[-4000:]
+        # ... each record went to the job's store (reachable from any node; the disk does not
+        # matter to it) and the launcher wrote it down in ITS /dev/shm folder (errors/ is not
+        # writable for it either), where its one reader found it for the verdict above
+        assert all("record and traceback sent to the launcher's store" in x for x in lines), \
+            console[-4000:]
+        import json
+
+        recs = [json.loads(p.read_text()) for p in sorted(fallback_dir(out).glob("rank*.json"))]
+        assert [(r["rank"], r["via"], r["class"]) for r in recs] == \
+            [(0, "store", "CheckpointDiskError"), (1, "store", "CheckpointDiskError")], recs
         # (one print of a chained exception: the OSError, then the CheckpointDiskError line)
         ends = [x for x in console.splitlines() if x.startswith("recover_hsdp.") and "Error:" in x]
         assert len(ends) <= 1, console[-6000:]

@@ -316,12 +316,14 @@ def test_retention_keeps_the_newest_k_and_every_mth_within_the_disk_formula(tmp_
     """checkpoint.keep=3, checkpoint.keep_every=5, a checkpoint before every step of 12: the
     saves are steps 1-11, and exactly {5, 10} plus the newest three {9, 10, 11} remain;
     summary.json reports the disk, within docs/checkpoint.md's bound (K + floor(T / M) + 2)
-    checkpoints of the largest size seen."""
+    checkpoints of the largest size seen. checkpoint.keep_params=3 with a snapshot every step:
+    params/ holds the init and steps 9-11 only, within (K_p + 2) snapshots of one step, and
+    verify still passes, comparing at the kept snapshots and checkpoints and saying which."""
     dl = Deadline(300)
     out = tmp_path / "run"
     p = _cli("train", *SMALL, "parallel.replicas=2", "parallel.shard_size=1", "run.steps=12",
              "checkpoint.interval=1", "checkpoint.keep=3", "checkpoint.keep_every=5",
-             f"run.output_dir={out}", cwd=tmp_path, dl=dl)
+             "checkpoint.keep_params=3", f"run.output_dir={out}", cwd=tmp_path, dl=dl)
     assert p.returncode == 0, p.stdout[-4000:]
     assert _complete(out) == [5, 9, 10, 11], _complete(out)
     assert not list((out / "checkpoints").glob(".del_*")), "a deletion left behind"
@@ -332,7 +334,17 @@ def test_retention_keeps_the_newest_k_and_every_mth_within_the_disk_formula(tmp_
 
     one = max(disk_bytes(d) for d in (out / "checkpoints").glob("step_*"))
     assert 0 < disk["checkpoints_bytes"] <= (3 + 12 // 5 + 2) * one + 64 * 1024, disk
-    _check_one_run(out, 12, tmp_path, dl)
+    from recover_hsdp.record import param_steps
+
+    assert param_steps(out) == [-1, 9, 10, 11] == disk["params_kept"], disk
+    snap = max(disk_bytes(d) for d in (out / "params").iterdir())      # one step, both copies
+    assert disk["params_bytes"] == disk_bytes(out / "params") <= (3 + 2) * snap, disk
+    assert json.loads((out / "meta.json").read_text())["keep_params"] == 3
+    v = _cli("verify", str(out), cwd=tmp_path, dl=dl)
+    assert v.returncode == 0, v.stdout[-4000:]
+    # checkpoints step_5/9/10/11 are the points after steps 4/8/9/10; snapshots 9-11
+    assert "compared: steps 4, 8-11 (checkpoints: 4, 8)" in v.stdout, v.stdout[-3000:]
+    assert "verify: OK" in v.stdout and "compared=5" in v.stdout, v.stdout[-3000:]
 
 
 def test_resume_longer_with_a_new_lr_verifies_as_one_run(tmp_path):

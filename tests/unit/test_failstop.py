@@ -12,6 +12,7 @@ import pytest
 
 from tests import _procs
 
+from recover_hsdp.faults import errorlog
 from recover_hsdp.faults import failstop as fs
 from recover_hsdp.launcher import judge
 from recover_hsdp.launcher.watchdog import HangWatchdog
@@ -70,7 +71,7 @@ def test_unwritable_errors_dir_one_line_per_rank_one_traceback_per_cause(tmp_pat
     run.mkdir()
     (run / "errors").write_text("not a directory")
     fb = tmp_path / "shm"
-    monkeypatch.setattr(fs, "fallback_dir", lambda d: fb)
+    monkeypatch.setattr(errorlog, "fallback_dir", lambda d: fb)
     fs.set_context("checkpoint save", 4)
     lines = {}
     for g in (0, 1, 2):
@@ -98,7 +99,7 @@ def test_nothing_writable_still_one_line_and_the_traceback(tmp_path, capsys, mon
     run.mkdir()
     (run / "errors").write_text("x")
     (tmp_path / "shm").write_text("x")
-    monkeypatch.setattr(fs, "fallback_dir", lambda d: tmp_path / "shm" / "sub")
+    monkeypatch.setattr(errorlog, "fallback_dir", lambda d: tmp_path / "shm" / "sub")
     fs.configure(run, rank=0, replica=0)
     fs.fail_stop(OSError(28, "No space left on device"), kill=lambda: None)
     err = capsys.readouterr().err
