@@ -11,13 +11,14 @@
 The template's #SBATCH lines are for a GPU cluster; the test overrides them on sbatch's command
 line (one node, 3 tasks, 1 CPU each, no GPUs, a short --time, --output into the test's tmp).
 Slurm holds a requeued job ~120 s (its BeginTime): the test moves it on with `scontrol update
-StartTime=now`. Cost: cluster start ~1-2 s; ~50-85 s per test at nice 19 beside a full suite run
+StartTime=<2 s after it first sees the hold>` (not `now`: see the requeue test). Cost: cluster start ~1-2 s; ~50-85 s per test at nice 19 beside a full suite run
 (load ~8 on 2 cores), about 30-40 s each on a quiet box (two launches + one verify each)."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,12 +112,23 @@ def test_sbatch_template_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, 
     gate.release(hold)
     # the ranks checkpoint, the launcher exits 4, the script runs `scontrol requeue`. Slurm
     # holds a requeued job 120 s (BeginTime = requeue + 120 s, set by slurmctld when the first
-    # run has completed): each poll that sees the job pending on its BeginTime moves it to now
-    # (a poll seeing it before slurmctld set the hold would otherwise be undone)
+    # run has completed): each poll that sees the job pending on its BeginTime moves it to ONE
+    # absolute time, 2 s after the first such poll (a poll seeing it before slurmctld set the
+    # hold would otherwise be undone). Not `now`: the requeue revoked the job's launch
+    # credential, and slurmd refuses a credential made in the same second as the revocation
+    # (slurm_cred_revoked: ctime <= revoked, 1 s granularity) with "Job N already killed, do not
+    # launch batch job" and the job ends FAILED 1:0 (seen on CI, stop 32). Slurm's own 120 s
+    # hold is what keeps a real cluster clear of this.
+    start_at: list[str] = []
+
     def moved(j: dict) -> bool:
         if j.get("Restarts", "0") != "0" and j.get("JobState") == "PENDING" \
                 and j.get("Reason") == "BeginTime":
-            slurm.cli(["scontrol", "update", f"JobId={job}", "StartTime=now"], deadline)
+            if not start_at:
+                start_at.append(time.strftime("%Y-%m-%dT%H:%M:%S",
+                                              time.localtime(time.time() + 2)))
+            slurm.cli(["scontrol", "update", f"JobId={job}", f"StartTime={start_at[0]}"],
+                      deadline)
         # only the requeued run's end: around `scontrol requeue` the first run shows an end
         # state for a moment (seen once); a requeue that never happens fails at the deadline
         return j.get("JobState") in END and j.get("Restarts", "0") != "0"
