@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from recover_hsdp.faults import errorlog
+from recover_hsdp.faults import errorlog, orders
 from recover_hsdp.faults.errorlog import ERRORS_DIR, fallback_dir  # noqa: F401 - re-exported
 from recover_hsdp.faults.errorlog import write_record as _write_record
 from recover_hsdp.faults.injector import replica_lost_exit, sigkill_self
@@ -302,6 +302,8 @@ class Heartbeat:
         self.step_s: Optional[float] = None
         self.done = False          # a clean exit (mark_done): the reaper must not take it for a death
         self._lock = threading.Lock()   # one writer of the file at a time (thread, mark_done)
+        self.host = socket.gethostname()
+        self.start_ticks = orders.proc_start(os.getpid())   # names this process in kill orders
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recover_hsdp-heartbeat",
                                         daemon=True)
@@ -350,7 +352,7 @@ class Heartbeat:
     def beat(self) -> None:
         with self._lock:    # the record is read and written whole: a later beat has a later state
             rec = {"rank": self.rank, "replica": _state["replica"], "pid": os.getpid(),
-                   "host": socket.gethostname(),
+                   "host": self.host, "start": self.start_ticks,
                    "time": time.time(), "progress": self.progress, "phase": self.phase, "done":
                    self.done, "phase_until": self.phase_until, "period_s": self.period_s,
                    "step_s": self.step_s, "progress_time": self.progress_time,
@@ -365,6 +367,10 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             self.beat()
+            try:    # the launcher's kill orders for this host (faults/orders.py): another node's
+                orders.serve_orders(self.path.parent, self.host, self.rank)   # watchdog's arm
+            except Exception:  # noqa: BLE001 - the heartbeat must keep beating
+                pass
 
 
 _hb: dict[str, Optional[Heartbeat]] = {"hb": None}

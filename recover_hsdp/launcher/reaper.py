@@ -102,10 +102,15 @@ def kill_recorded(run_dir: Path, name: str, pid: int, rec: dict) -> bool:
         os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         return False
+    write_verdict(run_dir, name, rec)
+    return True
+
+
+def write_verdict(run_dir: os.PathLike | str, name: str, rec: dict) -> None:
+    """``faults/{name}.json`` (best effort: a full disk must not stop the watchdog)."""
     try:
         fd = Path(run_dir) / "faults"
         fd.mkdir(parents=True, exist_ok=True)
         (fd / f"{name}.json").write_text(json.dumps(rec) + "\n")
     except OSError:
         pass
-    return True

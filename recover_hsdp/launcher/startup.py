@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -67,7 +68,10 @@ def clear_startup_state(run_dir: os.PathLike | str) -> None:
     if d.is_dir():
         for p in d.iterdir():
             try:
-                p.unlink()
+                if p.is_dir():       # orders/ (faults/orders.py: kill orders to other nodes)
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink()
             except OSError:
                 pass
 

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from recover_hsdp.faults import orders
 from recover_hsdp.faults.failstop import RANKS_DIR
-from recover_hsdp.launcher.reaper import MateReaper, alive as _alive, kill_recorded
+from recover_hsdp.launcher.reaper import MateReaper, alive as _alive, kill_recorded, write_verdict
 
 #: the progress floor of ``run.progress_timeout_s=auto`` (run.progress_floor_s)
 PROGRESS_FLOOR_S = 30.0
@@ -36,7 +37,8 @@ class HangWatchdog:
     def __init__(self, run_dir, timeout_s: float, period_s: float,
                  progress_timeout_s=None,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-                 shard_size: int = 1, floor_s: float = PROGRESS_FLOOR_S):
+                 shard_size: int = 1, floor_s: float = PROGRESS_FLOOR_S,
+                 launch_id: Optional[str] = None):
         self.run_dir = Path(run_dir)
         self.reaper = MateReaper(run_dir, shard_size, timeout_s, log) if shard_size > 1 else None
         self.timeout_s = float(timeout_s)
@@ -52,6 +54,9 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self._host = socket.gethostname()
+        self.launch_id = launch_id
+        self._remote: dict[int, tuple] = {}     # rank -> ((pid, time), seen at, seen moving)
+        self._orders: dict[int, tuple[Path, dict]] = {}   # kill orders not yet answered
 
     def start(self) -> "HangWatchdog":
         self._thread.start()
@@ -80,6 +85,7 @@ class HangWatchdog:
         if gap_s > 2.0 + min(self.period_s, 0.5):
             self._grace_until = now + 2 * self.period_s + 0.5
             self._progress = {g: (p, self._grace_until) for g, (p, _) in self._progress.items()}
+            self._remote = {g: (k, self._grace_until, m) for g, (k, _, m) in self._remote.items()}
             self.log(f"[recover-hsdp] hang watchdog: itself stalled for {gap_s:.1f} s; "
                      f"judging resumes in {2 * self.period_s + 0.5:g} s")
         return now < self._grace_until
@@ -89,21 +95,27 @@ class HangWatchdog:
         if not d.is_dir():
             return []
         now = time.time() if now is None else now
-        out, hbs, stalls = [], {}, []
+        out, hbs, stalls = self._answers(now), {}, []
         for p in d.glob("rank*.json"):
             try:
                 hb = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue
             g = int(hb["rank"])
-            if hb.get("host") == self._host:
+            local = hb.get("host") == self._host
+            if local:
                 hbs[g] = hb             # the reaper sees the ranks judged hung here die too
-            if g in self.killed or hb.get("host") != self._host or hb.get("done"):
+            if g in self.killed or g in self._orders or hb.get("done"):
                 continue
             pid = int(hb["pid"])
-            if not _alive(pid):
-                continue
-            age = now - float(hb["time"])
+            if local:
+                if not _alive(pid):
+                    continue
+                age = now - float(hb["time"])
+            else:
+                age = self._remote_age(g, hb, now)
+                if age is None:
+                    continue
             why = None
             if age > self.timeout_s:
                 why = f"no heartbeat for {age:.1f} s (run.hang_timeout_s={self.timeout_s:g})"
@@ -112,14 +124,62 @@ class HangWatchdog:
                 if stall is not None:
                     stalls.append((stall[0], g, pid, stall[1], hb))
             if why:
-                self._kill(g, pid, why, now, hb)
-                out.append(g)
+                if self._judge(g, pid, why, now, hb):
+                    out.append(g)
         if stalls and now >= self._progress_grace_until:
             since, g, pid, why, hb = min(stalls, key=lambda t: t[0])   # the oldest stall only
-            self._kill(g, pid, why, now, hb)
-            out.append(g)
+            if self._judge(g, pid, why, now, hb):
+                out.append(g)
             self._progress_grace_until = now + 2 * self.period_s + 3.0
         return out + (self.reaper.poll(hbs, now) if self.reaper else [])
+
+    def _remote_age(self, g: int, hb: dict, now: float) -> Optional[float]:
+        """The age of a heartbeat written on another host, on THIS clock: since this watchdog
+        saw it change (no clock of two nodes is compared). None while it has not been seen to
+        change at all (a file an earlier run left is never judged) unless it names this
+        launch."""
+        key = (hb.get("pid"), hb.get("time"))
+        seen = self._remote.get(g)
+        if seen is None or seen[0] != key:
+            moved = seen is not None and seen[0][0] == key[0]     # the same process beat
+            self._remote[g] = seen = (key, now, moved)
+        if not seen[2] and not (self.launch_id and hb.get("launch") == self.launch_id):
+            return None
+        return now - seen[1]
+
+    def _judge(self, g: int, pid: int, why: str, now: float, hb: dict) -> bool:
+        """SIGKILL rank g here (this host), or order its node to (faults/orders.py)."""
+        if hb.get("host") == self._host:
+            self._kill(g, pid, why, now, hb)
+            return g in self.killed
+        path = orders.order_kill(self.run_dir / RANKS_DIR, str(hb.get("host")), g, pid,
+                                 hb.get("start"), why, now)
+        self._orders[g] = (path, {"rank": g, "pid": pid, "host": hb.get("host"),
+                                  "reason": why, "time": now,
+                                  "last_heartbeat": hb.get("time")})
+        self.log(f"[recover-hsdp] rank {g} (pid {pid} on {hb.get('host')}) judged hung: {why}; "
+                 f"kill ordered on its node")
+        return False
+
+    def _answers(self, now: float) -> list[int]:
+        """The kill orders its node has answered: "killed" is a verdict (faults/hung.rank{g})."""
+        out = []
+        for g, (path, rec) in list(self._orders.items()):
+            ans = orders.answer(path)
+            if ans is None:
+                continue
+            del self._orders[g]
+            if ans.get("result") != "killed":
+                self.killed[g] = dict(rec, result=ans.get("result"))   # not judged again
+                continue
+            rec = dict(rec, killed_by=ans.get("by"), killed_time=ans.get("time"),
+                       answered_after_s=round(now - rec["time"], 3))
+            write_verdict(self.run_dir, f"hung.rank{g}", rec)
+            self.killed[g] = rec
+            self.log(f"[recover-hsdp] rank {g} (pid {rec['pid']} on {rec['host']}) SIGKILLed by "
+                     f"rank {ans.get('by')} of its node")
+            out.append(g)
+        return out
 
     def bound_s(self, hb: dict) -> float:
         """The progress bound of one rank: fixed, or auto max(floor, 3 x its median step)."""

@@ -1,0 +1,181 @@
+"""Ranks on another node (faults/orders.py, launcher/watchdog.py): real processes whose
+heartbeats name another host ("nodeb": the child's socket.gethostname is replaced before its
+heartbeat starts), so this test's watchdog cannot SIGKILL them itself and must order their node
+to; the children's heartbeat threads serve the orders of "nodeb".
+
+* a SIGSTOPped rank is killed by a mate of its node: verdict hung.rank{g}.json with killed_by;
+* a wedged rank (heartbeat beating, no progress) is killed by its own heartbeat thread;
+* an order naming a process that is no longer the one judged (another start time) is answered
+  "gone" and kills nothing;
+* a heartbeat file of another host that this watchdog never saw change is never judged;
+* a relaunch's clear_startup_state removes the orders.
+The two-node fixture (tests/e2e/test_two_nodes.py) does the same across real namespaced nodes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recover_hsdp.faults import orders
+from recover_hsdp.launcher.startup import clear_startup_state
+from recover_hsdp.launcher.watchdog import HangWatchdog
+from tests._wait import Deadline, until, wait_dead
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = """
+import os, socket, sys, time
+socket.gethostname = lambda: "nodeb"           # this child is "on another node"
+from recover_hsdp.faults import failstop
+run_dir, g, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+failstop.start_heartbeat(run_dir, g, 0.05)
+failstop.step_begins()                          # out of the start-up phase
+while True:
+    if mode == "tick":
+        failstop.tick()
+    time.sleep(0.02)        # the child's own pace (busy or idle); no order depends on it
+"""
+BEAT_S = 0.05
+
+
+def _spawn(run_dir: Path, g: int, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir), str(g), mode],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def _hb(run_dir: Path, g: int) -> dict | None:
+    try:
+        return json.loads((run_dir / "ranks" / f"rank{g}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _bound(timeout_s: float, period_s: float) -> float:
+    """A remote verdict: the timeout, the heartbeat a beat late, the order served one beat
+    later, the answer one poll later, with 3x slack."""
+    return 3 * (timeout_s + 3 * BEAT_S + 2 * period_s + 0.5)
+
+
+def _kill_all(procs):
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(120)
+def test_stopped_rank_on_another_node_is_killed_by_a_mate_of_its_node(tmp_path):
+    dl = Deadline(100)
+    procs = {g: _spawn(tmp_path, g, "tick") for g in (4, 5)}
+    try:
+        until(lambda: all((_hb(tmp_path, g) or {}).get("host") == "nodeb" for g in procs),
+              dl.sub(60), "both children beating", alive=lambda: all(
+                  p.poll() is None for p in procs.values()))
+        logs: list[str] = []
+        wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, log=logs.append)
+        until(lambda: wd.poll() is not None and wd._remote.get(4, (0, 0, False))[2],
+              dl.sub(30), "rank 4 seen beating by the watchdog (its heartbeat changed)")
+        procs[4].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        out: list[int] = []
+        until(lambda: out.extend(wd.poll()) or 4 in out,
+              dl.sub(_bound(0.5, 0.05)), "rank 4 judged hung and killed on its node",
+              detail=lambda: "\n".join(logs))
+        took = time.monotonic() - stopped
+        assert procs[4].wait(timeout=dl.left()) == -signal.SIGKILL
+        rec = json.loads((tmp_path / "faults" / "hung.rank4.json").read_text())
+        assert rec["killed_by"] == 5 and rec["host"] == "nodeb", rec
+        assert "no heartbeat" in rec["reason"], rec
+        assert procs[5].poll() is None          # the mate that served the order lives on
+        assert any("kill ordered on its node" in s for s in logs), logs
+        assert 4 not in wd.poll()               # one verdict
+        print(f"remote SIGSTOP judged and killed {took:.2f} s after the stop "
+              f"(timeout 0.5 s, heartbeat {BEAT_S} s)")
+    finally:
+        _kill_all(procs)
+
+
+@pytest.mark.timeout(120)
+def test_wedged_rank_on_another_node_is_killed_by_its_own_heartbeat_thread(tmp_path):
+    dl = Deadline(100)
+    procs = {6: _spawn(tmp_path, 6, "idle")}      # beats, never progresses: wedged
+    try:
+        until(lambda: (_hb(tmp_path, 6) or {}).get("host") == "nodeb", dl.sub(60),
+              "the child beating", alive=lambda: procs[6].poll() is None)
+        logs: list[str] = []
+        wd = HangWatchdog(tmp_path, timeout_s=100, period_s=0.05, progress_timeout_s=0.5,
+                          log=logs.append)
+        out: list[int] = []
+        until(lambda: out.extend(wd.poll()) or 6 in out, dl.sub(_bound(0.5, 0.05) + 3.0),
+              "rank 6 judged wedged and killed", detail=lambda: "\n".join(logs))
+        assert procs[6].wait(timeout=dl.left()) == -signal.SIGKILL
+        rec = json.loads((tmp_path / "faults" / "hung.rank6.json").read_text())
+        assert rec["killed_by"] == 6 and "no progress" in rec["reason"], rec
+    finally:
+        _kill_all(procs)
+
+
+def test_order_for_another_process_is_answered_gone_and_kills_nothing(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        start = orders.proc_start(p.pid)
+        assert start is not None
+        ranks = tmp_path / "ranks"
+        bad = orders.order_kill(ranks, "nodeb", 3, p.pid, start + 1, "test")   # a recycled pid
+        assert [a["result"] for a in orders.serve_orders(ranks, "nodeb", 9)] == ["gone"]
+        assert orders.answer(bad)["result"] == "gone" and p.poll() is None
+        assert orders.serve_orders(ranks, "nodeb", 9) == []       # answered once
+        assert orders.serve_orders(ranks, "nodec", 9) == []       # another host's orders: none
+        good = orders.order_kill(ranks, "nodeb", 3, p.pid, start, "test")
+        assert good == bad      # the same process: the same order file
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_order_for_the_process_judged_kills_it(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        ranks = tmp_path / "ranks"
+        o = orders.order_kill(ranks, "nodeb", 3, p.pid, orders.proc_start(p.pid), "test")
+        ans = orders.serve_orders(ranks, "nodeb", 7)
+        assert [(a["result"], a["by"]) for a in ans] == [("killed", 7)]
+        wait_dead(p.pid, Deadline(30), "the ordered kill")
+        assert p.wait() == -signal.SIGKILL and orders.answer(o)["by"] == 7
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_a_stale_heartbeat_of_another_host_is_never_judged(tmp_path):
+    d = tmp_path / "ranks"
+    d.mkdir()
+    (d / "rank2.json").write_text(json.dumps(
+        {"rank": 2, "pid": 999999, "host": "nodeb", "time": time.time() - 1000,
+         "progress": 0, "phase": None, "phase_until": None, "period_s": 0.05}))
+    wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, log=lambda s: None)
+    t = time.time()
+    for k in range(5):
+        assert wd.poll(now=t + 10 * k) == []
+    assert not (d / "orders").exists()
+    # ... unless it names this launch (a rank that beat once and stopped before a second beat)
+    hb = json.loads((d / "rank2.json").read_text())
+    (d / "rank2.json").write_text(json.dumps(dict(hb, launch="L1")))
+    wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, log=lambda s: None,
+                      launch_id="L1")
+    assert wd.poll(now=t) == [] and wd.poll(now=t + 1.0) == []
+    assert [p.name for p in (d / "orders" / "nodeb").iterdir()] == ["kill.rank2.999999.json"]
+
+
+def test_clear_startup_state_removes_the_orders(tmp_path):
+    ranks = tmp_path / "ranks"
+    orders.order_kill(ranks, "nodeb", 1, 12345, 1, "test")
+    (ranks / "rank1.json").write_text("{}")
+    clear_startup_state(tmp_path)
+    assert list(ranks.iterdir()) == []
