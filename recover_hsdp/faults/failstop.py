@@ -11,7 +11,8 @@ Two halves (docs/faults.md, "Fault classes"):
   :func:`is_peer_failure` says "my replica lost a member" and it leaves by ``replica_lost_exit``.
 * **Hung ranks.** :class:`Heartbeat` is a daemon thread rewriting ``ranks/rank{g}.json`` (pid,
   host, time, progress counter, announced long phase, clean-exit mark) every ``period_s``;
-  ``launcher/watchdog.py`` ``HangWatchdog`` (in the launcher, on the ranks' node) SIGKILLs a rank
+  ``launcher/watchdog.py`` ``HangWatchdog`` (in the launcher; a rank on another node through a
+  kill order its node's heartbeat threads serve, faults/orders.py) SIGKILLs a rank
   whose heartbeat is older than ``timeout_s`` (a waiting rank still beats: collectives release
   the GIL), one whose progress stalled outside a long phase (``progress_timeout_s``, on by
   default: ``auto``), and, through launcher/reaper.py, the mates of a rank that died that do not

@@ -1,7 +1,7 @@
 """Launcher side of the hang detector: judge the ranks' heartbeats (docs/faults.md, "Fault
 classes"). The rank side (the heartbeat thread, ``tick``, ``long_phase``) is faults/failstop.py.
 
-``HangWatchdog`` SIGKILLs a rank of this host whose heartbeat is older than ``timeout_s`` (it cannot
+``HangWatchdog`` SIGKILLs a rank whose heartbeat is older than ``timeout_s`` (it cannot
 run: SIGSTOP, a frozen node process) or whose PROGRESS stalled outside an announced long phase
 (its main thread wedged while the heartbeat thread beats: a deadlocked loader, a stuck sync).
 The progress bound is ``progress_timeout_s`` seconds, or with ``"auto"`` (the default of
@@ -10,6 +10,10 @@ the median carried by its heartbeat. A long phase that overran its announced bou
 as well. Progress verdicts are taken one at a time, the oldest stall first, with a grace after
 each: the mates a wedged rank kept waiting in a collective stalled later than it, and move again
 once its death is seen. Each verdict is written to faults/hung.rank{g}.json.
+
+A rank of another host is judged alike, its heartbeat aged on this clock; its kill is an order
+its own node carries out (faults/orders.py: any rank's heartbeat thread there), the verdict is
+written when the order is answered "killed" (docs/faults.md "Ranks on other nodes").
 """
 from __future__ import annotations
 

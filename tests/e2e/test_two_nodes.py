@@ -4,6 +4,8 @@ W=4 S=2 with ranks 0-3 (replicas 0, 1) on node 0 and ranks 4-7 (replicas 2, 3) o
 
 * SIGKILLs of ranks on both nodes at random moments are survived in place; the test gate holds
   the last step until every planned kill has landed, so the run cannot end first on any box.
+* A SIGSTOPped rank and a wedged rank on node 1 (the launcher is on node 0) are judged by the
+  launcher's watchdog and killed on their node by kill orders (faults/orders.py).
 * A node loss (node 1's prted AND its ranks, while the job is held at a step boundary) ends the
   whole Open MPI job (PRTE cannot lose a daemon); the launcher turns it into the checkpoint
   relaunch on node 0 alone at W'=2 x G'=2 (docs/faults.md "Node loss").
@@ -271,6 +273,77 @@ def test_node_loss_is_a_checkpoint_relaunch_on_the_other_node(nodes, tmp_path):
     for g in range(W // 2 * S):
         hb = json.loads((run_dir / "ranks" / f"rank{g}.json").read_text())
         assert hb["host"] == nodes.nodes[0].name, hb
+    _verify(run_dir)
+
+
+# ------------------------------------------------------- hung ranks on the other node
+STEPS_C = 8
+HOLD_C = 2                # held before step 2: rank 4 (node 1) is SIGSTOPped there
+HANG_C, FLOOR_C, BEAT_C = 5.0, 15.0, 1.0
+BUDGET_C = 250
+
+
+@pytest.mark.timeout(BUDGET_C + 40)
+def test_stopped_and_wedged_ranks_on_the_node_without_the_launcher_are_judged(nodes, tmp_path):
+    """Every node watched (docs/faults.md "Ranks on other nodes"): the launcher runs on node 0;
+    rank 4 (replica 2, node 1) is SIGSTOPped while the job is held before step 2, and rank 7
+    (replica 3, node 1) wedges at step 4 (a scheduled `wedge`: its main thread blocks, its
+    heartbeat beats on). The launcher's watchdog cannot signal node 1's processes: it orders
+    node 1 to (ranks/orders/), a heartbeat thread there kills each, and the verdicts name who
+    did. The survivors (replicas 0, 1) commit every step; verify OK."""
+    dl = Deadline(BUDGET_C)
+    run_dir = tmp_path / "run"
+    sched = tmp_path / "wedge.yaml"
+    sched.write_text("- {step: 4, replica: 3, local_rank: 1, location: forward, microbatch: 0, "
+                     "kind: wedge}\n")
+    gate = TestGate(tmp_path / "gate", hold=[HOLD_C], ranks=range(W * S), timeout_s=BUDGET_C)
+    job = Job(nodes, run_dir, [f"run.steps={STEPS_C}", "parallel.grad_accum=1",
+                               f"failures.schedule={sched}",
+                               f"watchdog.hang_timeout_s={HANG_C}",
+                               f"watchdog.heartbeat_s={BEAT_C}",
+                               "watchdog.progress_timeout_s=auto",
+                               f"watchdog.progress_floor_s={FLOOR_C}"], gate.env())
+    faults = run_dir / "faults"
+    try:
+        gate.wait_held(HOLD_C, dl, alive=job.alive, detail=job.tail)
+        pid4 = _pid(run_dir, 4)
+        assert nodes.node_of(pid4) == 1, f"rank 4 (pid {pid4}) not on node 1"
+        os.kill(pid4, signal.SIGSTOP)
+        stopped = time.monotonic()
+        until(lambda: (faults / "hung.rank4.json").exists(), dl,
+              "rank 4 (SIGSTOPped on node 1) judged hung", alive=job.alive, detail=job.tail)
+        took4 = time.monotonic() - stopped
+        wait_dead(pid4, dl, "rank 4 killed on its node")
+        gate.release(HOLD_C)
+        rc = job.wait(dl)
+    finally:
+        leaked = job.close()
+    out = job.tail(20000)
+    assert rc == 0, out[-4000:]
+    assert not leaked, f"left on the nodes after the launcher ended: {leaked}"
+    assert "injecting a WEDGE" in out, out[-4000:]
+    hung = sorted(p.name for p in faults.glob("hung.rank*.json"))
+    assert hung == ["hung.rank4.json", "hung.rank7.json"], (hung, out[-4000:])
+    v4, v7 = (json.loads((faults / f"hung.rank{g}.json").read_text()) for g in (4, 7))
+    node1 = nodes.nodes[1].name
+    # killed by a heartbeat thread of node 1 (only an answered order carries killed_by)
+    assert v4["host"] == node1 and v4["killed_by"] in (5, 6, 7), v4
+    assert "no heartbeat" in v4["reason"], v4
+    assert v7["host"] == node1 and v7["killed_by"] in (6, 7), v7
+    assert "no progress" in v7["reason"], v7
+    # the bound of a remote stop: hang timeout + the last beat + the order served one beat
+    # later + polls (docs/faults.md), with 3x slack
+    bound4 = HANG_C + 2 * BEAT_C + 1.0
+    assert took4 <= 3 * bound4, f"rank 4 judged {took4:.1f} s after its SIGSTOP (> 3 x {bound4})"
+    print(f"node 1: SIGSTOP -> killed {took4:.1f} s (bound {bound4:g} s); wedge -> "
+          f"{v7['reason']} (killed by rank {v7['killed_by']}, answered "
+          f"{v7['answered_after_s']} s after the order)")
+    rec = read_run(run_dir)
+    assert sorted(rec.steps) == list(range(STEPS_C)), out[-4000:]
+    lost = {r for st in rec.steps.values() for f in st.failures for r in f.get("replicas", [])}
+    assert lost == {2, 3}, f"replicas reported lost {sorted(lost)}"
+    assert sorted(rec.steps[STEPS_C - 1].alive) == [0, 1]
+    assert all(rec.steps[st].divisor == W for st in rec.steps), "B changed"
     _verify(run_dir)
 
 
