@@ -83,23 +83,24 @@ class ProbedLoss(nn.Module):
 
 
 def _build(spec: dict):
-    from recover_hsdp.config import data_config, model_config, optim_config
-    from recover_hsdp.data import build_microbatch_source, load_tokenizer
-    from recover_hsdp.model import build_model
-    from recover_hsdp.optim import build_optimizer
+    """The model, optimizer and microbatch source from the trainer's builder
+    (recover_hsdp/workers/build.py RankBuild), over the spec's groups: what this worker trains
+    is what `recover-hsdp train` trains by construction."""
+    from recover_hsdp.workers.build import RankBuild
     from experiments.peers_probe import probe_weight
 
-    par = {"seq_len": spec["seq_len"], "micro_batch_size": spec["micro_batch_size"],
-           "shard_size": 1}
-    data_cfg = data_config(spec["data"], par)
-    tok = load_tokenizer(data_cfg.tokenizer)
-    model = build_model(model_config(spec["model"], tok.vocab_size), seed=int(spec["seed"]))
-    optim_cfg = optim_config(spec["optim"], int(spec["steps"]))
-    opt = build_optimizer(model.named_parameters(), optim_cfg)   # the probes are not stepped
-    net = ProbedLoss(model, probe_weight(spec["replica"]),
-                     int(spec["micro_batch_size"]) * int(spec["seq_len"]))
-    source = build_microbatch_source(data_cfg, int(spec["replica"]), int(spec["replicas"]))
-    return net, opt, optim_cfg, source
+    b = RankBuild.from_config({
+        "model": spec["model"], "data": spec["data"], "optim": spec["optim"],
+        "parallel": {"replicas": int(spec["replicas"]), "shard_size": 1,
+                     "grad_accum": int(spec["grad_accum"]),
+                     "seq_len": int(spec["seq_len"]),
+                     "micro_batch_size": int(spec["micro_batch_size"])},
+        "run": {"steps": int(spec["steps"]), "seed": int(spec["seed"])}})
+    model = b.model()
+    opt = b.optimizer(model)                  # the probes are not stepped
+    net = ProbedLoss(model, probe_weight(spec["replica"]), b.tokens_per_microbatch)
+    source = b.source(int(spec["replica"]), int(spec["replicas"]))
+    return net, opt, b.optim, source
 
 
 class _AppendingStepWriter:

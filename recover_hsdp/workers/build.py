@@ -1,8 +1,9 @@
 """ONE builder for every per-rank loop: the TrainConfig the launcher validated -> the tokenizer,
 the model, the optimizer (factory), the microbatch sources, the loss and the run recorder.
 
-The resilient trainer (workers/resilient.py), the plain-FSDP baselines (workers/plain.py)
-and the A/B worker of `bench hsdp` (workers/bench_hsdp.py) build their components here, so they
+The resilient trainer (workers/resilient.py), the plain-FSDP baselines (workers/plain.py),
+the A/B worker of `bench hsdp` (workers/bench_hsdp.py) and, outside the package, the torchft
+worker of the side-by-side (experiments/peers_worker.py) build their components here, so they
 train the same model on the same data with the same optimizer by construction, and no loop
 re-reads a config key with a default of its own::
 
