@@ -3,7 +3,8 @@
     python tests/e2e/_raising_loop.py OUT_DIR W S FAULTS STEPS
 FAULTS: comma-separated RANK:WHERE:STEP (global rank, where it raises, at which step), WHERE:
 microbatch_fn | loss_fn | optimizer (the optimizer step raises) | kill (SIGKILLs itself in
-microbatch_fn); "-" for none. Every rank that finishes writes
+microbatch_fn) | wedge (blocks for good in microbatch_fn: the main thread stuck, the heartbeat
+thread beating on, as a deadlocked loader); "-" for none. Every rank that finishes writes
 OUT_DIR/result.rank{g}.json; errors go to OUT_DIR/errors/ (RECOVER_HSDP_RUN_DIR).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import torch
 
@@ -39,6 +41,8 @@ def main() -> None:
             raise KeyError(f"microbatch {mb_id} missing (injected)")
         if me and where == "kill" and state["step"] == bad_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if me and where == "wedge" and state["step"] == bad_step:
+            threading.Event().wait()        # never set: the watchdog's progress rule ends it
         if replica not in sources:
             sources[replica] = build_microbatch_source(data_cfg, replica, W)
         return sources[replica].get(mb_id)

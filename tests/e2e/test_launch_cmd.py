@@ -3,7 +3,8 @@ HSDPULFMTrainingManager, W=3 S=1, supervised as `recover-hsdp train` is. A rank 
 raising at step 2 (the loop itself does it when it reaches the step: no timing): the survivors
 commit every step, the launch exits 0 and names the lost rank and its cause; -n that is not the
 loop's W x S is one line and exit 2; a rank SIGSTOPped while the test gate holds the job is
-judged hung by the watchdog and SIGKILLed, the survivors finish."""
+judged hung by the watchdog and SIGKILLed, the survivors finish; a rank whose main thread wedges
+(its heartbeat beating on) is judged by the progress rule at S=1 and S=2."""
 from __future__ import annotations
 
 import json
@@ -26,22 +27,23 @@ LOOP = REPO / "tests" / "e2e" / "_raising_loop.py"
 W, STEPS = 3, 4
 
 
-def _launch(tmp: Path, n: int, faults: str):
+def _launch(tmp: Path, n: int, faults: str, S: int = 1, flags: tuple[str, ...] = ()):
     out = tmp / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("OMPI_COMM_WORLD_RANK", None)
     p = run([sys.executable, "-m", "recover_hsdp.cli", "launch", "-n", str(n), "--run-dir",
-             str(out), "--", sys.executable, str(LOOP), str(out), str(W), "1", faults,
-             str(STEPS)], cwd=tmp, env=env, capture_output=True, text=True,
+             str(out), *flags, "--", sys.executable, str(LOOP), str(out), str(W), str(S),
+             faults, str(STEPS)], cwd=tmp, env=env, capture_output=True, text=True,
             timeout=current_deadline().left())
     return p, out
 
 
-def _survivors_committed_every_step(out: Path, lost: int) -> None:
-    for g in range(W):
+def _survivors_committed_every_step(out: Path, lost: int, S: int = 1) -> None:
+    """Every rank of the replicas but ``lost`` finished every step; none of ``lost`` did."""
+    for g in range(W * S):
         res = out / f"result.rank{g}.json"
-        if g == lost:
-            assert not res.exists()
+        if g // S == lost:
+            assert not res.exists(), g
             continue
         r = json.loads(res.read_text())
         assert r == {"steps": STEPS, "alive": [x for x in range(W) if x != lost]}, (g, r)
@@ -109,3 +111,27 @@ def test_sigstopped_rank_is_judged_and_the_survivors_finish(tmp_path):
     _survivors_committed_every_step(out, 2)
     assert "rank 2: judged hung by the watchdog" in text, text[-4000:]
     assert (out / "faults" / "hung.rank2.json").exists()
+
+
+# a fixed progress bound (the default auto bound's floor is 30 s): 8 s, far above a step here
+PROGRESS_S = 8.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("S", [1, 2])
+def test_wedged_rank_is_judged_by_progress_and_the_survivors_finish(tmp_path, S):
+    """Rank 2's main thread blocks for good in its microbatch_fn at step 2 (its heartbeat beats
+    on): replica 2 (S=1) or replica 1 (S=2, rank 2 = its first rank; its mate rank 3 then waits
+    on it in a shard collective and stalls later). The watchdog's progress rule SIGKILLs rank 2
+    (the oldest stall), the mate leaves with its replica, the survivors commit every step."""
+    lost = 2 // S
+    p, out = _launch(tmp_path, W * S, "2:wedge:2", S=S,
+                     flags=("--progress-timeout", str(PROGRESS_S)))
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-4000:]
+    _survivors_committed_every_step(out, lost, S)
+    assert "rank 2: judged hung by the watchdog" in text, text[-4000:]
+    hung = sorted(f.name for f in (out / "faults").glob("hung.rank*.json"))
+    assert hung == ["hung.rank2.json"], (hung, text[-4000:])      # no mate, no survivor
+    why = json.loads((out / "faults" / "hung.rank2.json").read_text())["reason"]
+    assert "no progress" in why and f"progress_timeout_s={PROGRESS_S:g}" in why, why
