@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -73,6 +74,11 @@ def _cut(tb: str) -> str:
         return tb
     head, tail = MAX_TRACEBACK // 8, MAX_TRACEBACK - MAX_TRACEBACK // 8
     return f"{tb[:head]}\n... ({len(tb) - head - tail} characters cut) ...\n{tb[-tail:]}"
+
+
+def cause_of(rec: dict) -> str:
+    """One cause: class, message with its numbers masked (the step or rank it names), where."""
+    return f"{rec['class']}|{re.sub(r'[0-9]+', 'N', str(rec['message']))}|{rec['where']}"
 
 
 def _cause_key(run_dir: Path, cause: str) -> str:

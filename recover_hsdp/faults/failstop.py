@@ -27,7 +27,6 @@ import atexit
 import hashlib
 import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -149,9 +148,7 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
 
 
-def _cause(rec: dict) -> str:
-    """One cause: class, message with its numbers masked (the step or rank it names), where."""
-    return f"{rec['class']}|{re.sub(r'[0-9]+', 'N', rec['message'])}|{rec['where']}"
+_cause = errorlog.cause_of      # one cause: class, message with its numbers masked, where
 
 
 def write_error(exc: BaseException, where: Optional[str] = None) -> Optional[Path]:

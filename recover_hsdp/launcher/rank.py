@@ -13,7 +13,9 @@ directory what the supervisor judges a rank by, whatever way the program ends:
   watch take it for a clean exit;
 * ``errors/rank{g}.json`` + ``.traceback.txt`` for a non-zero exit that wrote none itself (an
   exception before the manager installed the fail-stop hooks, e.g. ``-n`` not W x S): its
-  class and message are read from the last line of the program's stderr (which passes through).
+  class and message are read from the last line of the program's stderr (which passes through);
+  where errors/ cannot be written, the record goes to the job's store or the fallback directory,
+  as a fail-stop's does (:func:`record_error`).
 
 It then leaves with code 0 if the program did, else by SIGKILL (whatever the program's code or
 signal, recorded above): ULFM reports to the survivors a rank killed by a signal, not one that
@@ -35,6 +37,7 @@ from collections import deque
 from pathlib import Path
 from typing import Optional, Sequence
 
+from recover_hsdp.faults import errorlog
 from recover_hsdp.faults.failstop import CONFIG_ERRORS, ENV_RUN_DIR, ERRORS_DIR, RANKS_DIR
 
 EXIT_RECORD = "exit.rank{g}.json"
@@ -59,6 +62,31 @@ def _write_json(path: Path, rec: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def record_error(d: Path, tb: Path, text: str, rec: dict) -> str:
+    """errors/rank{g}.json (+ the traceback, unless the pump wrote it); where errors/ cannot be
+    written (a full or read-only disk), the job's store, else the fallback directory, as a
+    fail-stop's record goes (faults/errorlog.py): the launcher's one reader finds it in any of
+    the three. Returns where it went: "errors", "store", "fallback" or "nowhere"."""
+    path = d / ERRORS_DIR / f"rank{rec['rank']}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not tb.exists():
+            tb.write_text(text)
+        tmp = path.with_name("." + path.name + ".tmp")
+        tmp.write_text(json.dumps(dict(rec, traceback=str(tb)), sort_keys=True))
+        os.replace(tmp, path)
+        return "errors"
+    except OSError:
+        pass
+    if errorlog.post(d, rec, text, errorlog.cause_of(rec)) is not None:
+        return "store"
+    try:
+        errorlog.write_record(errorlog.fallback_dir(d), rec, text)
+        return "fallback"
+    except OSError:
+        return "nowhere"
 
 
 def _pump(src, tail: deque, g: Optional[int], tb_path: Optional[Path]) -> None:
@@ -158,13 +186,7 @@ def run(cmd: Sequence[str]) -> int:
         elif code > 0 and not (d / ERRORS_DIR / f"rank{g}.json").exists():
             text = b"".join(tail).decode("utf-8", "replace")
             name, msg = error_from_stderr(text)
-            (d / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-            if not tb.exists():
-                try:
-                    tb.write_text(text)
-                except OSError:
-                    pass
-            _write_json(d / ERRORS_DIR / f"rank{g}.json", {
+            record_error(d, tb, text, {
                 "rank": g, "replica": None, "pid": proc.pid, "host": socket.gethostname(),
                 "time": time.time(), "class": name, "message": msg,
                 "where": f"the rank program (exit code {code})", "step": None,

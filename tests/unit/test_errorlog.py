@@ -154,3 +154,40 @@ def test_no_store_in_the_environment_is_none_at_once(tmp_path, monkeypatch):
     assert errorlog.post(tmp_path, {"rank": 0}, "", "c") is None
     monkeypatch.setenv("RECOVER_HSDP_STORE", "no-port")
     assert errorlog.post(tmp_path, {"rank": 0}, "", "c") is None
+
+
+@pytest.mark.timeout(120)
+def test_the_rank_parent_of_a_custom_loop_posts_to_the_store_when_errors_is_unwritable(
+        tmp_path, monkeypatch):
+    """`recover-hsdp launch`'s rank parent (launcher/rank.py) records a program that exited
+    non-zero before any fail-stop hook: with errors/ unwritable (a file stands where it goes)
+    the record reaches the launcher through the store, as a fail-stop's does; without a store,
+    the fallback directory."""
+    from recover_hsdp.hsdp.topology import serve_store
+    from recover_hsdp.launcher.rank import record_error
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "errors").write_text("a file where errors/ goes")
+    shm = tmp_path / "launcher-shm"
+    monkeypatch.setattr(errorlog, "fallback_dir", lambda d: shm)
+    rec = {"rank": 1, "replica": None, "pid": 1, "host": "nodeb", "time": 0.0,
+           "class": "KeyError", "message": "'vocab'", "where": "the rank program (exit code 1)",
+           "step": None, "exit_code_hint": 1}
+    text = "Traceback (most recent call last):\n  ...\nKeyError: 'vocab'\n"
+    with serve_store("127.0.0.1") as address:
+        monkeypatch.setenv("RECOVER_HSDP_STORE", address)
+        assert record_error(run, run / "errors" / "rank1.traceback.txt", text, rec) == "store"
+        errs = judge.read_errors(run)        # read while the store serves (as the launcher)
+    assert [(e["rank"], e["via"], e["class"]) for e in errs] == [(1, "store", "KeyError")]
+    assert (shm / "rank1.traceback.txt").read_text() == text      # written down by the reader
+    monkeypatch.delenv("RECOVER_HSDP_STORE")
+    assert record_error(run, run / "errors" / "rank2.traceback.txt", text,
+                        dict(rec, rank=2)) == "fallback"
+    assert json.loads((shm / "rank2.json").read_text())["class"] == "KeyError"
+    # errors/ writable: there, with the traceback the program printed
+    ok = tmp_path / "ok"
+    assert record_error(ok, ok / "errors" / "rank0.traceback.txt", text,
+                        dict(rec, rank=0)) == "errors"
+    got = json.loads((ok / "errors" / "rank0.json").read_text())
+    assert got["class"] == "KeyError" and Path(got["traceback"]).read_text() == text
