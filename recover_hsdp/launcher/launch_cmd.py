@@ -177,7 +177,6 @@ def launch(o: Options) -> int:
     from recover_hsdp.launcher.command import base_mpirun_args, exported_vars, find_mpirun
     from recover_hsdp.launcher.command import rank_env
     from recover_hsdp.launcher.judge import EXIT_CONFIG, EXIT_FAILED, judge_launch
-    from recover_hsdp.launcher.reaper import MateReaper
     from recover_hsdp.launcher.run import run_job
     from recover_hsdp.launcher.startup import EndWatch, StartupWatch, clear_startup_state
     from recover_hsdp.launcher.store import default_store_host
@@ -230,7 +229,7 @@ def launch(o: Options) -> int:
 
                         S = launch_shape(run_dir, o.np)[1]
                         if 1 < S < o.np:
-                            wd.reaper = MateReaper(run_dir, S, o.hang_timeout_s, wd.log)
+                            wd.reaper = wd.make_reaper(S)
                     why = start.poll()
                     if why and start.errors_logged() and not _all_exited(run_dir, o.np):
                         # a rank failed with an error before the world formed: let the others

@@ -14,14 +14,17 @@ moved for ``grace_s`` since, and which is not inside an announced long phase, is
 moved for that long after its replica lost a member is as good as hung. A mate that notices on its
 own (gloo, or the ULFM consensus naming its replica) has left long before. Only processes this
 watchdog saw alive count: a heartbeat file left by an earlier run or segment is never a death.
+On another node the watchdog reports the death (its kill order for the stale heartbeat answered
+"gone") and the mate is reaped by a kill order too (faults/orders.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
 def alive(pid: int) -> bool:
@@ -40,21 +43,37 @@ def alive(pid: int) -> bool:
 
 
 class MateReaper:
-    """Called by ``HangWatchdog.poll`` with this host's heartbeats ({rank: record})."""
+    """Called by ``HangWatchdog.poll`` with every heartbeat ({rank: record}). A rank of this
+    host is seen dead here (/proc); a rank of another host is reported dead by the watchdog
+    (:meth:`note_dead`: its kill order was answered "gone" by its node), and a mate there is
+    reaped through ``order`` (a kill order its node serves, faults/orders.py)."""
 
     def __init__(self, run_dir: os.PathLike | str, shard_size: int, grace_s: float,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], host: Optional[str] = None,
+                 order: Optional[Callable[[int, int, str, float, dict], None]] = None):
         self.run_dir = Path(run_dir)
         self.S = int(shard_size)
         self.grace_s = float(grace_s)
         self.log = log
+        self.host = socket.gethostname() if host is None else host
+        self.order = order
         self.seen: dict[int, int] = {}                  # rank -> pid seen alive
         self.dead: dict[int, tuple[int, float]] = {}    # rank -> (pid, time seen gone uncleanly)
         self.still: dict[int, tuple[int, int, float]] = {}  # mate -> (pid, progress, since)
         self.reaped: dict[int, dict] = {}
 
+    def note_dead(self, g: int, pid: int, now: float) -> None:
+        """Rank g (pid) of another host is gone without its clean-exit mark."""
+        if g not in self.dead:
+            self.dead[g] = (int(pid), now)
+
+    def _local(self, hb: dict) -> bool:
+        return hb.get("host") in (None, self.host)
+
     def poll(self, hbs: dict[int, dict], now: float) -> list[int]:
         for g, hb in hbs.items():
+            if not self._local(hb):
+                continue                # its death is reported by the watchdog (note_dead)
             pid = int(hb["pid"])
             if hb.get("done") and self.dead.get(g, (None,))[0] == pid:
                 self.dead.pop(g)        # its last beat says it left cleanly: no death
@@ -72,7 +91,8 @@ class MateReaper:
                 if m == d or m in self.reaped or hb is None or hb.get("done"):
                     continue
                 pid, prog = int(hb["pid"]), int(hb.get("progress", 0))
-                if not alive(pid):
+                local = self._local(hb)
+                if (local and not alive(pid)) or (not local and self.order is None):
                     continue
                 last = self.still.get(m)
                 if last is None or last[:2] != (pid, prog):
@@ -81,18 +101,25 @@ class MateReaper:
                 phase = (hb.get("phase") not in (None, "start-up")    # start-up: no excuse here
                          and (hb.get("phase_until") or now + 1) >= now)
                 if not phase and now - max(last[2], t_dead) >= self.grace_s:
-                    self._reap(m, pid, d, now, now - t_dead)
-                    out.append(m)
+                    if self._reap(m, pid, d, now, now - t_dead, hb):
+                        out.append(m)
         return out
 
-    def _reap(self, g: int, pid: int, mate: int, now: float, after_s: float) -> None:
+    def _reap(self, g: int, pid: int, mate: int, now: float, after_s: float,
+              hb: dict) -> bool:
         why = (f"its replica lost rank {mate} {after_s:.1f} s ago and it has not moved since "
                f"(a shard collective on a dead peer, as NCCL's, blocks; run.hang_timeout_s="
                f"{self.grace_s:g})")
         rec = {"rank": g, "pid": pid, "mate": mate, "reason": why, "time": now}
+        if not self._local(hb):         # on its node, by a kill order; the verdict on "killed"
+            self.reaped[g] = rec
+            self.order(g, pid, why, now, dict(rec, host=hb.get("host"), start=hb.get("start")))
+            return False
         if kill_recorded(self.run_dir, f"reaped.rank{g}", pid, rec):
             self.reaped[g] = rec
             self.log(f"[recover-hsdp] rank {g} (pid {pid}) reaped: {why}; SIGKILLed")
+            return True
+        return False
 
 
 def kill_recorded(run_dir: Path, name: str, pid: int, rec: dict) -> bool:

@@ -44,7 +44,6 @@ class HangWatchdog:
                  shard_size: int = 1, floor_s: float = PROGRESS_FLOOR_S,
                  launch_id: Optional[str] = None):
         self.run_dir = Path(run_dir)
-        self.reaper = MateReaper(run_dir, shard_size, timeout_s, log) if shard_size > 1 else None
         self.timeout_s = float(timeout_s)
         self.period_s = float(period_s)
         self.auto = progress_timeout_s == "auto"
@@ -60,7 +59,15 @@ class HangWatchdog:
         self._host = socket.gethostname()
         self.launch_id = launch_id
         self._remote: dict[int, tuple] = {}     # rank -> ((pid, time), seen at, seen moving)
-        self._orders: dict[int, tuple[Path, dict]] = {}   # kill orders not yet answered
+        self._orders: dict[int, tuple[Path, dict, str]] = {}   # kill orders not answered yet
+        self.reaper = self.make_reaper(shard_size) if shard_size > 1 else None
+
+    def make_reaper(self, shard_size: int) -> MateReaper:
+        """The mate reaper of this watchdog (launcher/reaper.py): its grace is the hang timeout;
+        a mate on another node is reaped through a kill order."""
+        return MateReaper(self.run_dir, shard_size, self.timeout_s, self.log, host=self._host,
+                          order=lambda g, pid, why, now, hb: self._order(
+                              g, pid, why, now, hb, "reaped"))
 
     def start(self) -> "HangWatchdog":
         self._thread.start()
@@ -107,8 +114,7 @@ class HangWatchdog:
                 continue
             g = int(hb["rank"])
             local = hb.get("host") == self._host
-            if local:
-                hbs[g] = hb             # the reaper sees the ranks judged hung here die too
+            hbs[g] = hb                 # the reaper sees the ranks judged hung die too
             if g in self.killed or g in self._orders or hb.get("done"):
                 continue
             pid = int(hb["pid"])
@@ -156,30 +162,44 @@ class HangWatchdog:
         if hb.get("host") == self._host:
             self._kill(g, pid, why, now, hb)
             return g in self.killed
+        self._order(g, pid, why, now, hb, "hung")
+        return False
+
+    def _order(self, g: int, pid: int, why: str, now: float, hb: dict, verdict: str) -> None:
+        """Order rank g's node to SIGKILL it; the verdict (faults/{verdict}.rank{g}.json) is
+        written when the order is answered "killed"."""
         path = orders.order_kill(self.run_dir / RANKS_DIR, str(hb.get("host")), g, pid,
                                  hb.get("start"), why, now)
-        self._orders[g] = (path, {"rank": g, "pid": pid, "host": hb.get("host"),
-                                  "reason": why, "time": now,
-                                  "last_heartbeat": hb.get("time")})
-        self.log(f"[recover-hsdp] rank {g} (pid {pid} on {hb.get('host')}) judged hung: {why}; "
+        rec = {"rank": g, "pid": pid, "host": hb.get("host"), "reason": why, "time": now,
+               "last_heartbeat": hb.get("time")}
+        if "mate" in hb:
+            rec["mate"] = hb["mate"]
+        self._orders[g] = (path, rec, verdict)
+        what = "judged hung" if verdict == "hung" else "reaped"
+        self.log(f"[recover-hsdp] rank {g} (pid {pid} on {hb.get('host')}) {what}: {why}; "
                  f"kill ordered on its node")
-        return False
 
     def _answers(self, now: float) -> list[int]:
         """The kill orders its node has answered: "killed" is a verdict (faults/hung.rank{g})."""
         out = []
-        for g, (path, rec) in list(self._orders.items()):
+        for g, (path, rec, verdict) in list(self._orders.items()):
             ans = orders.answer(path)
             if ans is None:
                 continue
             del self._orders[g]
             if ans.get("result") != "killed":
                 self.killed[g] = dict(rec, result=ans.get("result"))   # not judged again
+                if ans.get("result") == "gone" and self.reaper is not None:
+                    # gone without its clean-exit mark (a done heartbeat is never judged): a
+                    # death on its node, whose still mates the reaper takes
+                    self.reaper.note_dead(g, rec["pid"], now)
                 continue
             rec = dict(rec, killed_by=ans.get("by"), killed_time=ans.get("time"),
                        answered_after_s=round(now - rec["time"], 3))
-            write_verdict(self.run_dir, f"hung.rank{g}", rec)
+            write_verdict(self.run_dir, f"{verdict}.rank{g}", rec)
             self.killed[g] = rec
+            if self.reaper is not None:     # its still mates are the reaper's, as here
+                self.reaper.note_dead(g, rec["pid"], now)
             self.log(f"[recover-hsdp] rank {g} (pid {rec['pid']} on {rec['host']}) SIGKILLed by "
                      f"rank {ans.get('by')} of its node")
             out.append(g)

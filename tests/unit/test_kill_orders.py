@@ -8,6 +8,7 @@ to; the children's heartbeat threads serve the orders of "nodeb".
 * an order naming a process that is no longer the one judged (another start time) is answered
   "gone" and kills nothing;
 * a heartbeat file of another host that this watchdog never saw change is never judged;
+* the still mate of a rank that died on another node is reaped there (its order answered);
 * a relaunch's clear_startup_state removes the orders.
 The two-node fixture (tests/e2e/test_two_nodes.py) does the same across real namespaced nodes."""
 from __future__ import annotations
@@ -116,6 +117,35 @@ def test_wedged_rank_on_another_node_is_killed_by_its_own_heartbeat_thread(tmp_p
         assert procs[6].wait(timeout=dl.left()) == -signal.SIGKILL
         rec = json.loads((tmp_path / "faults" / "hung.rank6.json").read_text())
         assert rec["killed_by"] == 6 and "no progress" in rec["reason"], rec
+    finally:
+        _kill_all(procs)
+
+
+@pytest.mark.timeout(120)
+def test_still_mate_of_a_dead_rank_on_another_node_is_reaped_there(tmp_path):
+    """S=2, both ranks of replica 2 on "nodeb": rank 4 is SIGKILLed (no clean-exit mark); the
+    watchdog's order for its stale heartbeat is answered "gone" (a death seen on its node); its
+    mate rank 5, idle (on NCCL: blocked in a shard collective on the dead peer), is reaped one
+    grace later by an order its own heartbeat thread serves."""
+    dl = Deadline(100)
+    procs = {4: _spawn(tmp_path, 4, "tick"), 5: _spawn(tmp_path, 5, "idle")}
+    try:
+        logs: list[str] = []
+        wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, shard_size=2,
+                          log=logs.append)
+        until(lambda: wd.poll() is not None and all(
+            wd._remote.get(g, (0, 0, False))[2] for g in procs), dl.sub(60),
+            "both children seen beating by the watchdog")
+        procs[4].send_signal(signal.SIGKILL)
+        assert procs[4].wait(timeout=dl.left()) == -signal.SIGKILL
+        out: list[int] = []
+        until(lambda: out.extend(wd.poll()) or 5 in out, dl.sub(2 * _bound(0.5, 0.05)),
+              "rank 5 reaped on its node", detail=lambda: "\n".join(logs))
+        assert procs[5].wait(timeout=dl.left()) == -signal.SIGKILL
+        rec = json.loads((tmp_path / "faults" / "reaped.rank5.json").read_text())
+        assert rec["killed_by"] == 5 and rec["mate"] == 4 and rec["host"] == "nodeb", rec
+        # rank 4 died by itself: no verdict, only the answer "gone"
+        assert sorted(p.name for p in (tmp_path / "faults").iterdir()) == ["reaped.rank5.json"]
     finally:
         _kill_all(procs)
 
