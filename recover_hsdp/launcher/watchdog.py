@@ -174,10 +174,7 @@ class HangWatchdog:
                "last_heartbeat": hb.get("time")}
         if "mate" in hb:
             rec["mate"] = hb["mate"]
-        self._orders[g] = (path, rec, verdict)
-        what = "judged hung" if verdict == "hung" else "reaped"
-        self.log(f"[recover-hsdp] rank {g} (pid {pid} on {hb.get('host')}) {what}: {why}; "
-                 f"kill ordered on its node")
+        self._orders[g] = (path, rec, verdict)   # said on the console once answered "killed"
 
     def _answers(self, now: float) -> list[int]:
         """The kill orders its node has answered: "killed" is a verdict (faults/hung.rank{g})."""
@@ -200,8 +197,9 @@ class HangWatchdog:
             self.killed[g] = rec
             if self.reaper is not None:     # its still mates are the reaper's, as here
                 self.reaper.note_dead(g, rec["pid"], now)
-            self.log(f"[recover-hsdp] rank {g} (pid {rec['pid']} on {rec['host']}) SIGKILLed by "
-                     f"rank {ans.get('by')} of its node")
+            what = "judged hung" if verdict == "hung" else "reaped"
+            self.log(f"[recover-hsdp] rank {g} (pid {rec['pid']} on {rec['host']}) {what}: "
+                     f"{rec['reason']}; SIGKILLed by rank {ans.get('by')} of its node")
             out.append(g)
         return out
 
