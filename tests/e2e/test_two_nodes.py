@@ -277,9 +277,9 @@ def test_node_loss_is_a_checkpoint_relaunch_on_the_other_node(nodes, tmp_path):
 
 
 # ------------------------------------------------------- hung ranks on the other node
-STEPS_C = 8
+STEPS_C = 7
 HOLD_C = 2                # held before step 2: rank 4 (node 1) is SIGSTOPped there
-HANG_C, FLOOR_C, BEAT_C = 8.0, 15.0, 1.0   # above a starved rank's gap on a loaded 2-core box
+HANG_C, FLOOR_C, BEAT_C = 8.0, 12.0, 1.0   # above a starved rank's gap on a loaded 2-core box
 BUDGET_C = 250
 
 
