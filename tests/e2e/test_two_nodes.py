@@ -103,6 +103,14 @@ class Job:
         return leaked
 
 
+def _ended_ok(job: Job, rc: int, leaked: list[int]) -> str:
+    """The launcher's exit 0 and nothing left on the nodes; returns its output's tail."""
+    out = job.tail(20000)
+    assert rc == 0, out[-4000:]
+    assert not leaked, f"left on the nodes after the launcher ended: {leaked}"
+    return out
+
+
 def _pid(run_dir: Path, g: int) -> int | None:
     try:
         return int(json.loads((run_dir / "ranks" / f"rank{g}.json").read_text())["pid"])
@@ -257,9 +265,7 @@ def test_node_loss_is_a_checkpoint_relaunch_on_the_other_node(nodes, tmp_path):
         rc = job.wait(dl)
     finally:
         leaked = job.close()
-    out = job.tail(20000)
-    assert rc == 0, out[-4000:]
-    assert not leaked, f"left on the nodes after the launcher ended: {leaked}"
+    out = _ended_ok(job, rc, leaked)
     a0, a1 = (n.addr for n in nodes.nodes)
     assert seg1.read_text().split() == [a0, f"slots={_netns.SLOTS}"], seg1.read_text()
     assert "lost (PRTE lost a daemon): relaunch without it at W'=2" in out, out[-4000:]
@@ -318,9 +324,7 @@ def test_stopped_and_wedged_ranks_on_the_node_without_the_launcher_are_judged(no
         rc = job.wait(dl)
     finally:
         leaked = job.close()
-    out = job.tail(20000)
-    assert rc == 0, out[-4000:]
-    assert not leaked, f"left on the nodes after the launcher ended: {leaked}"
+    out = _ended_ok(job, rc, leaked)
     assert "injecting a WEDGE" in out, out[-4000:]
     hung = sorted(p.name for p in faults.glob("hung.rank*.json"))
     assert hung == ["hung.rank4.json", "hung.rank7.json"], (hung, out[-4000:])
