@@ -15,6 +15,9 @@ PKG = Path(__file__).resolve().parents[2] / "recover_hsdp"
 #: key -> the files allowed to name it: the dataclass, the hand-off, the manager (at most 3)
 WALKS = {
     "grad_clip": {"optim.py", "workers/build.py", "hsdp/manager.py"},
+    # the schedule's keys stay inside optim.py (lr_at) and its checks
+    "min_lr_ratio": {"optim.py"},
+    "warmup_steps": {"optim.py", "config/validation.py", "bench/hsdp.py"},
 }
 
 
