@@ -284,6 +284,23 @@ def install_hooks() -> None:
 # ---------------------------------------------------------------------------------------------
 # Heartbeats (ranks) and the hang watchdog (launcher)
 # ---------------------------------------------------------------------------------------------
+#: where a main thread blocked in a collective waits: on its peers, not on itself
+_PEER_WAITS = (f"{os.sep}torch{os.sep}distributed{os.sep}",
+               f"{os.sep}recover_hsdp{os.sep}collectives{os.sep}")
+
+
+def main_waits_on_peers() -> bool:
+    """True when the main thread's innermost Python frame is in torch.distributed or our
+    collectives: a rank blocked there waits on a peer. When every rank of a replica stalls (one
+    wedged, its mates blocked on it in a shard collective), the watchdog judges first the ranks
+    that are NOT waiting on peers: the wedged one, not its mates."""
+    try:
+        f = sys._current_frames().get(threading.main_thread().ident)
+    except Exception:  # noqa: BLE001 - the heartbeat must keep beating
+        return False
+    return f is not None and any(w in f.f_code.co_filename for w in _PEER_WAITS)
+
+
 class Heartbeat:
     """A daemon thread rewriting ranks/rank{g}.json every ``period_s`` (atomic replace)."""
 
@@ -354,6 +371,7 @@ class Heartbeat:
                    "time": time.time(), "progress": self.progress, "phase": self.phase, "done":
                    self.done, "phase_until": self.phase_until, "period_s": self.period_s,
                    "step_s": self.step_s, "progress_time": self.progress_time,
+                   "waiting": main_waits_on_peers(),
                    "launch": os.environ.get(ENV_LAUNCH_ID)}
             tmp = self.path.with_name(self.path.name + ".tmp")
             try:

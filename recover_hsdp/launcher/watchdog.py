@@ -7,9 +7,13 @@ run: SIGSTOP, a frozen node process) or whose PROGRESS stalled outside an announ
 The progress bound is ``progress_timeout_s`` seconds, or with ``"auto"`` (the default of
 ``run.progress_timeout_s``) per rank ``max(floor_s, 3 x the median of its last step times)``,
 the median carried by its heartbeat. A long phase that overran its announced bound is judged
-as well. Progress verdicts are taken one at a time, the oldest stall first, with a grace after
-each: the mates a wedged rank kept waiting in a collective stalled later than it, and move again
-once its death is seen. Each verdict is written to faults/hung.rank{g}.json.
+as well. Progress verdicts are taken one at a time, with a grace after each: first the ranks
+whose main thread is not blocked in a collective (the heartbeat says ``waiting``), the oldest
+stall first. The mates a wedged rank keeps waiting in a shard collective stall with it, at
+nearly the same moment; they wait on a peer, so it is judged first, and they move again (or
+leave, their replica lost) once its death is seen. While a kill order for another node is out
+the progress judge holds (at most the hang timeout): its mates are the reaper's once it is
+answered. Each verdict is written to faults/hung.rank{g}.json.
 
 A rank of another host is judged alike, its heartbeat aged on this clock; its kill is an order
 its own node carries out (faults/orders.py: any rank's heartbeat thread there), the verdict is
@@ -129,15 +133,21 @@ class HangWatchdog:
             why = None
             if age > self.timeout_s:
                 why = f"no heartbeat for {age:.1f} s (run.hang_timeout_s={self.timeout_s:g})"
-            elif self.auto or self.progress_timeout_s:
+            elif (self.auto or self.progress_timeout_s) and not (
+                    self.reaper is not None and self.reaper.owns(g)):   # a dead rank's mate
                 stall = self._stall(g, hb, now)
                 if stall is not None:
                     stalls.append((stall[0], g, pid, stall[1], hb))
             if why:
                 if self._judge(g, pid, why, now, hb):
                     out.append(g)
-        if stalls and now >= self._progress_grace_until:
-            since, g, pid, why, hb = min(stalls, key=lambda t: t[0])   # the oldest stall only
+        # a kill order out for another node (its mates stall with it, and are the reaper's
+        # once it is answered) holds the progress judge, for at most the hang timeout
+        ordered = any(now - rec["time"] < self.timeout_s for _, rec, _ in self._orders.values())
+        if stalls and now >= self._progress_grace_until and not ordered:
+            # one verdict a round: the oldest stall of a rank not blocked on its peers (in a
+            # collective: faults/failstop.main_waits_on_peers), else the oldest stall
+            since, g, pid, why, hb = min(stalls, key=lambda t: (bool(t[4].get("waiting")), t[0]))
             if self._judge(g, pid, why, now, hb):
                 out.append(g)
             self._progress_grace_until = now + 2 * self.period_s + 3.0
@@ -184,6 +194,9 @@ class HangWatchdog:
             if ans is None:
                 continue
             del self._orders[g]
+            # as after a verdict here: the mates of the rank it took move again first
+            self._progress_grace_until = max(self._progress_grace_until,
+                                             now + 2 * self.period_s + 3.0)
             if ans.get("result") != "killed":
                 self.killed[g] = dict(rec, result=ans.get("result"))   # not judged again
                 if ans.get("result") == "gone" and self.reaper is not None:

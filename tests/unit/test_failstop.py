@@ -3,10 +3,12 @@ verdict, heartbeats and the hang watchdog (no MPI)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,8 @@ from recover_hsdp.faults import failstop as fs
 from recover_hsdp.launcher import judge
 from recover_hsdp.launcher.watchdog import HangWatchdog
 from tests._wait import until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("msg,peer", [
@@ -353,5 +357,67 @@ def test_of_two_stalls_at_once_the_one_that_stopped_first_is_judged(tmp_path):
         assert wd.poll(now=t + 6.5) == []               # the mate: not within the grace
     finally:
         for p in procs:
+            p.kill()
+            p.wait(5)
+
+
+def test_of_two_stalls_at_once_the_one_not_waiting_on_peers_is_judged(tmp_path):
+    """A wedged rank and its shard-group mate stall at nearly the same moment; the mate is
+    blocked in a collective (heartbeat ``waiting``): the wedged one is judged first even when
+    the mate's stall is the older."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    try:
+        wd = HangWatchdog(tmp_path, timeout_s=1e6, period_s=0.1, progress_timeout_s=5.0,
+                          log=lambda s: None)
+        t = _fake(tmp_path, 0, procs[0].pid, phase=None, progress_time=50.0, waiting=True)
+        _fake(tmp_path, 1, procs[1].pid, phase=None, progress_time=50.1, waiting=False)
+        assert wd.poll(now=t) == []
+        assert wd.poll(now=t + 6) == [1]
+        assert wd.poll(now=t + 6.5) == []               # the mate: not within the grace
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5)
+
+
+
+WAITER = """
+import json, os, sys, threading, time
+import torch
+import torch.distributed as dist
+from recover_hsdp.faults import failstop
+mode, rank = sys.argv[1], int(sys.argv[2])
+def probe():
+    time.sleep(1.5)
+    print(json.dumps([failstop.main_waits_on_peers()]), flush=True)
+    os._exit(0)
+if mode == "wedged":
+    threading.Thread(target=probe, daemon=True).start()
+    threading.Event().wait(60)          # the injector's wedge: blocked on itself
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank, world_size=2)
+if rank == 0:                           # blocks in the all-reduce: rank 1 never joins it
+    threading.Thread(target=probe, daemon=True).start()
+    dist.all_reduce(torch.ones(1))
+else:
+    time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,want", [("collective", True), ("wedged", False)])
+def test_main_waits_on_peers_sees_a_collective(mode, want, tmp_path):
+    """The heartbeat's ``waiting``: true for a main thread blocked in a gloo all-reduce on a
+    peer that never joins, false for one blocked on itself (the injector's wedge)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    ranks = [subprocess.Popen([sys.executable, "-c", WAITER, mode, str(r),
+                               str(tmp_path / "store")], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in ((0, 1) if mode == "collective" else (0,))]
+    try:
+        out, err = ranks[0].communicate(timeout=50)
+        assert out.strip() == json.dumps([want]), (out, err[-2000:])
+    finally:
+        for p in ranks:
             p.kill()
             p.wait(5)
