@@ -67,12 +67,6 @@ class MateReaper:
         if g not in self.dead:
             self.dead[g] = (int(pid), now)
 
-    def owns(self, g: int) -> bool:
-        """True while a rank of g's replica block is dead: g's stall is this reaper's to judge
-        (reaped, one grace after the death), not the progress judge's (docs/faults.md)."""
-        b = int(g) // self.S
-        return any(d // self.S == b and d != g for d in self.dead)
-
     def _local(self, hb: dict) -> bool:
         return hb.get("host") in (None, self.host)
 

@@ -12,8 +12,10 @@ whose main thread is not blocked in a collective (the heartbeat says ``waiting``
 stall first. The mates a wedged rank keeps waiting in a shard collective stall with it, at
 nearly the same moment; they wait on a peer, so it is judged first, and they move again (or
 leave, their replica lost) once its death is seen. While a kill order for another node is out
-the progress judge holds (at most the hang timeout): its mates are the reaper's once it is
-answered. Each verdict is written to faults/hung.rank{g}.json.
+the progress judge holds (at most the hang timeout), and its grace starts at the answer. A
+waiting rank past its bound is not judged while a rank NOT waiting has stalled to within
+``lead_s`` (2 heartbeats + 1 s) of its own bound: the same stall, seen a beat later. Each
+verdict is written to faults/hung.rank{g}.json.
 
 A rank of another host is judged alike, its heartbeat aged on this clock; its kill is an order
 its own node carries out (faults/orders.py: any rank's heartbeat thread there), the verdict is
@@ -57,6 +59,9 @@ class HangWatchdog:
         self.log = log
         self.killed: dict[int, dict] = {}
         self._progress: dict[int, tuple[int, float]] = {}
+        #: how far ahead of its bound a stalled rank not waiting on peers holds the verdict of
+        #: one that is (the same stall, seen a heartbeat or two later)
+        self.lead_s = 2 * self.period_s + 1.0
         self._grace_until = 0.0     # judging waits until then after a stall of the watchdog
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
@@ -110,7 +115,7 @@ class HangWatchdog:
         if not d.is_dir():
             return []
         now = time.time() if now is None else now
-        out, hbs, stalls = self._answers(now), {}, []
+        out, hbs, stalls, free_near = self._answers(now), {}, [], False
         for p in d.glob("rank*.json"):
             try:
                 hb = json.loads(p.read_text())
@@ -133,11 +138,13 @@ class HangWatchdog:
             why = None
             if age > self.timeout_s:
                 why = f"no heartbeat for {age:.1f} s (run.hang_timeout_s={self.timeout_s:g})"
-            elif (self.auto or self.progress_timeout_s) and not (
-                    self.reaper is not None and self.reaper.owns(g)):   # a dead rank's mate
+            elif self.auto or self.progress_timeout_s:
                 stall = self._stall(g, hb, now)
                 if stall is not None:
                     stalls.append((stall[0], g, pid, stall[1], hb))
+                elif not hb.get("waiting") and hb.get("phase") is None and \
+                        now - self._progress[g][1] > self.bound_s(hb) - self.lead_s:
+                    free_near = True    # a rank not waiting on peers, about to be past its bound
             if why:
                 if self._judge(g, pid, why, now, hb):
                     out.append(g)
@@ -148,9 +155,12 @@ class HangWatchdog:
             # one verdict a round: the oldest stall of a rank not blocked on its peers (in a
             # collective: faults/failstop.main_waits_on_peers), else the oldest stall
             since, g, pid, why, hb = min(stalls, key=lambda t: (bool(t[4].get("waiting")), t[0]))
-            if self._judge(g, pid, why, now, hb):
-                out.append(g)
-            self._progress_grace_until = now + 2 * self.period_s + 3.0
+            # a rank waiting on peers waits for a stalled rank that is not, a beat or two
+            # behind it (heartbeats arrive a period apart): that one is the culprit
+            if not (hb.get("waiting") and free_near):
+                if self._judge(g, pid, why, now, hb):
+                    out.append(g)
+                self._progress_grace_until = now + 2 * self.period_s + 3.0
         return out + (self.reaper.poll(hbs, now) if self.reaper else [])
 
     def _remote_age(self, g: int, hb: dict, now: float) -> Optional[float]:

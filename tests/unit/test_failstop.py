@@ -382,6 +382,34 @@ def test_of_two_stalls_at_once_the_one_not_waiting_on_peers_is_judged(tmp_path):
 
 
 
+
+def test_a_waiting_rank_past_its_bound_waits_for_the_stall_seen_a_beat_later(tmp_path):
+    """Under load the wedged rank's last progress reaches the watchdog a heartbeat after its
+    mate's: the mate (waiting on it in a collective) is past its bound first, and is held while
+    the wedged one is within lead_s (2 beats + 1 s) of its own; then the wedged one is judged."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    try:
+        wd = HangWatchdog(tmp_path, timeout_s=1e6, period_s=0.1, progress_timeout_s=5.0,
+                          log=lambda s: None)
+        assert wd.lead_s == 1.2
+        t = _fake(tmp_path, 0, procs[0].pid, phase=None, progress=7, waiting=True)
+        _fake(tmp_path, 1, procs[1].pid, phase=None, progress=6, waiting=False)
+        assert wd.poll(now=t) == []
+        _fake(tmp_path, 1, procs[1].pid, phase=None, progress=7, waiting=False)
+        assert wd.poll(now=t + 1.0) == []                # rank 1's progress seen a beat later
+        assert wd.poll(now=t + 5.5) == []                # 0 past 5 s, 1 at 4.5 s: 0 is held
+        assert wd.poll(now=t + 6.5) == [1]
+        assert not (tmp_path / "faults" / "hung.rank0.json").exists()
+        # with nobody near, a waiting rank past its bound is judged
+        (tmp_path / "ranks" / "rank1.json").unlink()
+        assert wd.poll(now=t + 20) == [0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5)
+
+
 WAITER = """
 import json, os, sys, threading, time
 import torch
