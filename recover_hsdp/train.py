@@ -36,6 +36,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -224,9 +225,8 @@ def check_worker_available() -> str | None:
 def launch_job(job: Job) -> JobResult:
     """Write the resolved config, host the store, run mpirun, judge the run directory."""
     from recover_hsdp.config import save_config
-    from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launcher.run import run_job
     from recover_hsdp.launcher.store import default_store_host
+    from recover_hsdp.launcher.supervise import Watch, supervise
 
     if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
@@ -243,53 +243,36 @@ def launch_job(job: Job) -> JobResult:
     config_path = ldir / "config.yaml"
     save_config(job.cfg, config_path)      # the ranks load it as the dataclasses
     host = job.cfg.run.store_host or default_store_host()
-    from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
-    tries = 1 + int(job.cfg.elastic.start_retries)
-    for attempt in range(1, tries + 1):   # a death before the world forms: launch again
-        try:
-            with serve_store(host) as store:
-                env = job_env(job, store)
-                cmd = job_command(job, config_path, env)
-                knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
-                                 ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS",
-                                  "RECOVER_HSDP_SHARD_TIMEOUT_S"))
-                (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
-                print(f"[{PROG}] run directory {run_dir}", flush=True)
-                print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
-                watchdog = None
-                wd = job.cfg.watchdog
-                if wd.hang_timeout_s:   # hung ranks: verdict, SIGKILL from here
-                    from recover_hsdp.launcher.watchdog import HangWatchdog
 
-                    watchdog = HangWatchdog(run_dir, float(wd.hang_timeout_s),
-                                            float(wd.heartbeat_s), wd.progress_timeout_s,
-                                            floor_s=float(wd.progress_floor_s),
-                                            shard_size=int(job.cfg.parallel.shard_size)).start()
-                start = StartupWatch(run_dir, int(job.cfg.run.np),
-                                     wd.startup_timeout_s) if watchdog else None
-                try:
-                    from recover_hsdp.launcher.resume import end_watch
+    def prepare(store: str):
+        env = job_env(job, store)
+        cmd = job_command(job, config_path, env)
+        knobs = " ".join(f"{k}={shlex.quote(env[k])}" for k in
+                         ("RECOVER_HSDP_STORE", "OMP_NUM_THREADS", "RECOVER_HSDP_SHARD_TIMEOUT_S"))
+        (ldir / "command.sh").write_text(f"{knobs} \\\n  {shlex.join(cmd)}\n")
+        print(f"[{PROG}] run directory {run_dir}", flush=True)
+        print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
+        return cmd, env
 
-                    end = end_watch(job.cfg, run_dir, env) if watchdog else None
-                    outcome = run_job(cmd, env, log_path=ldir / "output.log",
-                                      time_limit_s=job.cfg.run.time_limit_s,
-                                      watch=start.poll if start else None,
-                                      ended=end.poll if end else None)
-                finally:
-                    if watchdog is not None:
-                        watchdog.stop()
-        except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
-            res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
-            res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="
-                        f"{job.cfg.run.mpirun!r}): {' '.join(str(e).split())}")
-            return res
-        if outcome.stopped != "startup" or start.errors_logged():
-            break
-        if attempt < tries:
-            print(f"[{PROG}] start-up failed ({outcome.reason}) after {outcome.wall_s:.1f} s: "
-                  f"launching again ({attempt}/{tries - 1} of elastic.start_retries)", flush=True)
-            clear_startup_state(run_dir)
-            continue
+    def on_retry(n: int, of: int, out) -> None:   # a death before the world formed
+        print(f"[{PROG}] start-up failed ({out.reason}) after {out.wall_s:.1f} s: "
+              f"launching again ({n}/{of} of elastic.start_retries)", flush=True)
+
+    limit = job.cfg.run.time_limit_s
+    try:
+        launched = supervise(prepare, run_dir=run_dir, np=int(job.cfg.run.np),
+                             watch=Watch.of(job.cfg), log_path=ldir / "output.log",
+                             store_host=host,
+                             deadline=None if limit is None else time.monotonic() + float(limit),
+                             start_retries=int(job.cfg.elastic.start_retries), on_retry=on_retry)
+    except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
+        res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
+        res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="
+                    f"{job.cfg.run.mpirun!r}): {' '.join(str(e).split())}")
+        return res
+    outcome = launched.outcome
+    if launched.startup_failed:
+        tries = launched.tries
         res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps),
                         launcher_wall_s=outcome.wall_s)
         res.note = (f"start-up failed {tries} time(s), the last: {outcome.reason} "

@@ -6,9 +6,15 @@ Runs in the launcher (the process running ``recover-hsdp train baseline=checkpoi
         host a NEW TCPStore, run a NEW plain ``mpirun`` (no ``--with-ft ulfm``: a rank that dies
         on a signal makes mpirun abort the whole job) with RECOVER_HSDP_ATTEMPT=k
         -> the ranks (workers/plain.py) load the newest complete checkpoint and train on
+        under the supervisor every launch shares (launcher/supervise.py): the watchdog
+        SIGKILLs a rank with no heartbeat or no progress (the ranks beat and tick as the
+        resilient trainer's do), which aborts the attempt as any death does; a start whose
+        world never formed is launched again (elastic.start_retries); an mpirun that outlives
+        its ranks is stopped
         when mpirun exits: append restarts.jsonl; stop when [0, run.steps) is committed,
-        relaunch when the attempt died (a fault marker newer than its launch, or a non-zero
-        exit), give up after baseline.max_restarts relaunches (exit 1, one line)
+        relaunch when the attempt died (a fault marker newer than its launch, a watchdog
+        verdict, or progress and a non-zero exit), give up after baseline.max_restarts
+        relaunches (exit 1, one line)
     write summary.json (steps, attempts, the A-H breakdown of every failure)
 
 Breakdown of a failure (paper appendix A.1), from the events of the killed attempt k and of
@@ -119,10 +125,9 @@ def run_checkpoint_restart(job) -> Any:
     """Run a ``baseline=checkpoint_restart`` job to completion; return launcher.job.JobResult."""
     from omegaconf import OmegaConf
 
-    from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launcher.command import ENV_WORKER_FN
-    from recover_hsdp.launcher.run import run_job
     from recover_hsdp.launcher.store import default_store_host
+    from recover_hsdp.launcher.supervise import Watch, supervise
     from recover_hsdp.record import JsonlAppender, write_summary
 
     cfg = job.cfg
@@ -147,7 +152,8 @@ def run_checkpoint_restart(job) -> Any:
     try:
         while True:
             resume = latest_checkpoint(run_dir) or 0
-            with serve_store(host) as store:
+
+            def prepare(store: str, attempt=attempt, resume=resume):
                 env = job_env(job, store)
                 env[ENV_ATTEMPT] = str(attempt)
                 env.setdefault(ENV_WORKER_FN, PLAIN_WORKER_FN)
@@ -161,25 +167,50 @@ def run_checkpoint_restart(job) -> Any:
                     print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
                 print(f"[{PROG}] checkpoint_restart: attempt {attempt} from step {resume}",
                       flush=True)
-                launch_time = time.time()
-                limit = None if deadline is None else max(1.0, deadline - time.monotonic())
-                outcome = run_job(cmd, env, log_path=ldir / "output.log", time_limit_s=limit)
-                exit_time = time.time()
+                return cmd, env
+
+            def on_retry(n: int, of: int, out, attempt=attempt) -> None:
+                print(f"[{PROG}] start-up failed ({out.reason}) after {out.wall_s:.1f} s: "
+                      f"launching attempt {attempt} again ({n}/{of} of elastic.start_retries)",
+                      flush=True)
+
+            launch_time = time.time()
+            # the supervisor of every launch (launcher/supervise.py): a hung or wedged rank is
+            # SIGKILLed by the watchdog, which aborts this plain job -> a failure relaunched here
+            launched = supervise(prepare, run_dir=run_dir, np=int(cfg.run.np),
+                                 watch=Watch.of(cfg), log_path=ldir / "output.log",
+                                 store_host=host, deadline=deadline,
+                                 start_retries=int(cfg.elastic.start_retries), on_retry=on_retry)
+            outcome = launched.outcome
+            exit_time = time.time()
             new = read_attempt_steps(run_dir, attempt)
             for s, v in new.items():
                 committed.setdefault(s, v)
             fired = [f for f in _fired(run_dir) if launch_time <= f["time"] <= exit_time]
+            hung = [v for v in _judged(run_dir) if launch_time <= v["time"] <= exit_time]
             done = set(range(steps)) <= set(committed)
-            if outcome.stopped:
-                reason = outcome.stopped
+            # "ended" (mpirun outlived its ranks) and "startup" (the world never formed) are
+            # attempts that ended; a time limit or an interrupt stops the run
+            halted = outcome.stopped if outcome.stopped in ("time_limit", "interrupted") else None
+            if halted:
+                reason = halted
             elif done:
                 reason = "completed"
             elif fired:
                 reason = "killed: " + "; ".join(
                     f"rank {f['rank']} at step {f['entry']['step']} {f['entry']['location']}"
-                    for f in fired)
+                    + (f" ({f['entry']['kind']})" if f["entry"].get("kind", "kill") != "kill"
+                       else "") for f in fired)
+            elif hung:
+                reason = "judged by the watchdog: " + "; ".join(
+                    f"rank {v['rank']} ({v['reason']})" for v in hung)
             else:
-                reason = f"exited rc={outcome.returncode} without a scheduled kill"
+                reason = (f"exited rc={outcome.returncode} without a scheduled kill"
+                          + (f" ({outcome.stopped}: {outcome.reason})" if outcome.stopped
+                             else ""))
+            if fired and hung:
+                reason += "; judged by the watchdog: " + "; ".join(
+                    f"rank {v['rank']}" for v in hung)
             rec = {"attempt": attempt, "launch_time": launch_time, "exit_time": exit_time,
                    "rc": outcome.returncode, "resume_step": resume, "reason": reason,
                    "steps_committed": sorted(new)}
@@ -188,10 +219,10 @@ def run_checkpoint_restart(job) -> Any:
             print(f"[{PROG}] checkpoint_restart: attempt {attempt} ended after "
                   f"{exit_time - launch_time:.1f} s (mpirun rc {outcome.returncode}): {reason}",
                   flush=True)
-            if outcome.stopped or done:
-                stopped = outcome.stopped
+            if halted or done:
+                stopped = halted
                 break
-            if not fired and not new:
+            if not fired and not hung and not new:
                 res.note = (f"attempt {attempt} made no progress and no scheduled kill fired "
                             f"(mpirun rc {outcome.returncode}); see {ldir / 'output.log'}")
                 break
@@ -249,6 +280,19 @@ def run_checkpoint_restart(job) -> Any:
     else:
         res.status = "incomplete" if committed else "failed"
     return res
+
+
+def _judged(run_dir: Path) -> list[dict]:
+    """The watchdog's verdicts (faults/hung.rank{g}.json, launcher/watchdog.py): a rank with no
+    heartbeat or no progress, SIGKILLed, which aborts a plain job like any death."""
+    out = []
+    d = run_dir / "faults"
+    for p in sorted(d.glob("hung.rank*.json")) if d.is_dir() else ():
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def _fired(run_dir: Path) -> list[dict]:

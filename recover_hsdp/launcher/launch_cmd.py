@@ -158,10 +158,6 @@ def _log(msg: str) -> None:
 ERROR_SETTLE_S = 15.0
 
 
-def _all_exited(run_dir: Path, np: int) -> bool:
-    return all((run_dir / "ranks" / f"exit.rank{g}.json").exists() for g in range(np))
-
-
 def _holds_launch(d: Path) -> bool:
     return any((d / n).exists() for n in ("ranks", "errors", "faults", "launcher"))
 
@@ -173,14 +169,11 @@ def _clear(d: Path) -> None:
 
 def launch(o: Options) -> int:
     from recover_hsdp.faults.failstop import ENV_HB_PERIOD, ENV_LAUNCH_ID, ENV_RUN_DIR
-    from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launcher.command import base_mpirun_args, exported_vars, find_mpirun
     from recover_hsdp.launcher.command import rank_env
     from recover_hsdp.launcher.judge import EXIT_CONFIG, EXIT_FAILED, judge_launch
-    from recover_hsdp.launcher.run import run_job
-    from recover_hsdp.launcher.startup import EndWatch, StartupWatch, clear_startup_state
     from recover_hsdp.launcher.store import default_store_host
-    from recover_hsdp.launcher.watchdog import HangWatchdog
+    from recover_hsdp.launcher.supervise import Watch, supervise
 
     run_dir = Path(o.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if not o.run_dir:       # a default name is never an earlier launch's
@@ -197,66 +190,43 @@ def launch(o: Options) -> int:
     ldir = run_dir / "launcher"
     ldir.mkdir(parents=True, exist_ok=True)
     host = default_store_host()
-    tries = 1 + int(o.start_retries)
-    outcome = None
-    for attempt in range(1, tries + 1):
-        try:
-            with serve_store(host) as store:
-                env = rank_env(store, omp_num_threads=int(os.environ.get("OMP_NUM_THREADS") or 1))
-                env[ENV_RUN_DIR] = str(run_dir)
-                env[ENV_HB_PERIOD] = repr(float(o.heartbeat_s))
-                env[ENV_LAUNCH_ID] = uuid.uuid4().hex[:12]
-                cmd = ([find_mpirun(os.environ.get("MPIRUN"))]
-                       + base_mpirun_args(o.np, export=exported_vars(env))
-                       + (["--hostfile", o.hostfile] if o.hostfile else []) + o.mpirun_args
-                       + [sys.executable, "-m", "recover_hsdp.launcher.rank", "--", *o.command])
-                (ldir / "command.sh").write_text(
-                    f"RECOVER_HSDP_STORE={shlex.quote(store)} \\\n  {shlex.join(cmd)}\n")
-                _log(f"run directory {run_dir}")
-                _log(shlex.join(o.command) + f" on {o.np} ranks")
-                wd = HangWatchdog(run_dir, o.hang_timeout_s, o.heartbeat_s, o.progress_timeout_s
-                                  ).start()
-                start = StartupWatch(run_dir, o.np)
-                end = EndWatch(run_dir, o.np, stale_s=3 * o.hang_timeout_s,
-                               launch_id=env[ENV_LAUNCH_ID])
 
-                settle = {"since": None}
+    def prepare(store: str):
+        env = rank_env(store, omp_num_threads=int(os.environ.get("OMP_NUM_THREADS") or 1))
+        env[ENV_RUN_DIR] = str(run_dir)
+        env[ENV_HB_PERIOD] = repr(float(o.heartbeat_s))
+        env[ENV_LAUNCH_ID] = uuid.uuid4().hex[:12]
+        cmd = ([find_mpirun(os.environ.get("MPIRUN"))]
+               + base_mpirun_args(o.np, export=exported_vars(env))
+               + (["--hostfile", o.hostfile] if o.hostfile else []) + o.mpirun_args
+               + [sys.executable, "-m", "recover_hsdp.launcher.rank", "--", *o.command])
+        (ldir / "command.sh").write_text(
+            f"RECOVER_HSDP_STORE={shlex.quote(store)} \\\n  {shlex.join(cmd)}\n")
+        _log(f"run directory {run_dir}")
+        _log(shlex.join(o.command) + f" on {o.np} ranks")
+        return cmd, env
 
-                def watch() -> Optional[str]:
-                    # the reaper needs S, which the loop's heartbeats tell once they all beat
-                    if wd.reaper is None and start.formed:
-                        from recover_hsdp.launcher.judge import launch_shape
+    def on_retry(n: int, of: int, out) -> None:     # a death before the world formed
+        _log(f"start-up failed ({out.reason}) after {out.wall_s:.1f} s: launching again "
+             f"({n}/{of} of --start-retries)")
 
-                        S = launch_shape(run_dir, o.np)[1]
-                        if 1 < S < o.np:
-                            wd.reaper = wd.make_reaper(S)
-                    why = start.poll()
-                    if why and start.errors_logged() and not _all_exited(run_dir, o.np):
-                        # a rank failed with an error before the world formed: let the others
-                        # reach theirs (the same error everywhere is a user error), bounded
-                        settle["since"] = settle["since"] or time.monotonic()
-                        if time.monotonic() - settle["since"] < ERROR_SETTLE_S:
-                            return None
-                    return why
-
-                try:
-                    outcome = run_job(cmd, env, log_path=ldir / "output.log",
-                                      time_limit_s=o.time_limit_s, watch=watch, ended=end.poll)
-                finally:
-                    wd.stop()
-        except (OSError, RuntimeError) as e:
-            print(f"{PROG}: error: could not launch (store host {host!r}): "
-                  f"{' '.join(str(e).split())}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
-        if outcome.stopped != "startup" or start.errors_logged():
-            break
-        if attempt < tries:
-            _log(f"start-up failed ({outcome.reason}) after {outcome.wall_s:.1f} s: launching "
-                 f"again ({attempt}/{tries - 1} of --start-retries)")
-            clear_startup_state(run_dir)
-            continue
-        _log(f"FAILED: start-up failed {tries} time(s), the last: {outcome.reason}; see "
-             f"{ldir / 'output.log'}")
+    # the loop's W x S is its own: the reaper's S is told by the heartbeats (shard_size None)
+    watch = Watch(float(o.hang_timeout_s), float(o.heartbeat_s), o.progress_timeout_s)
+    try:
+        launched = supervise(prepare, run_dir=run_dir, np=o.np, watch=watch,
+                             log_path=ldir / "output.log", store_host=host,
+                             deadline=None if o.time_limit_s is None
+                             else time.monotonic() + float(o.time_limit_s),
+                             start_retries=int(o.start_retries), on_retry=on_retry,
+                             settle_errors_s=ERROR_SETTLE_S)
+    except (OSError, RuntimeError) as e:
+        print(f"{PROG}: error: could not launch (store host {host!r}): "
+              f"{' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    outcome = launched.outcome
+    if launched.startup_failed:
+        _log(f"FAILED: start-up failed {launched.tries} time(s), the last: {outcome.reason}; "
+             f"see {ldir / 'output.log'}")
         return EXIT_FAILED
     v = judge_launch(run_dir, o.np, outcome.stopped if outcome else None)
     if v.exit_code == EXIT_CONFIG:      # the same user error everywhere: one line

@@ -19,7 +19,9 @@ what happens when a segment (one mpirun) ends:
                                              newest complete checkpoint, up to elastic.max_restarts
                                              times; then exit 1
 
-Each launch is a segment: segments.jsonl gets a "start" line before mpirun (shape, resume step,
+Each segment's mpirun runs under the supervisor every launcher shares (launcher/supervise.py:
+the watchdog and reaper, the start-up watch and its elastic.start_retries, the end watch); a
+start retried there stays one segment. Each launch is a segment: segments.jsonl gets a "start" line before mpirun (shape, resume step,
 checkpoint, cursors) and an "end" line after it (rc, outcome, resume time launch -> first
 commit). Before a resume, step lines past the checkpoint are moved to steps/discarded/ so every
 step is committed once in the run record.
@@ -30,7 +32,6 @@ import json
 import shlex
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -224,35 +225,6 @@ def node_loss_config(cfg, log_text: str, ldir: Path, k: int):
                  f"{plan.replicas} x G'={plan.grad_accum} (B={plan.replicas * plan.grad_accum})")
 
 
-def _watchers(cfg, run_dir: Path):
-    """The launcher's hang watchdog and start-up watch for one segment (both need the ranks'
-    heartbeat, watchdog.hang_timeout_s > 0); the previous segment's heartbeats are cleared
-    first."""
-    wd = cfg.watchdog
-    if not wd.hang_timeout_s:
-        return None, None
-    from recover_hsdp.launcher.watchdog import HangWatchdog
-    from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state
-
-    clear_startup_state(run_dir)
-    watchdog = HangWatchdog(run_dir, float(wd.hang_timeout_s), float(wd.heartbeat_s),
-                            wd.progress_timeout_s, floor_s=float(wd.progress_floor_s),
-                            shard_size=int(cfg.parallel.shard_size)).start()
-    return watchdog, StartupWatch(run_dir, int(cfg.run.np), wd.startup_timeout_s)
-
-
-def end_watch(cfg, run_dir: Path, env: dict):
-    """Stops an mpirun that outlives every one of its ranks (launcher/startup.EndWatch); only the
-    heartbeats of this launch (``env``'s launch id) count."""
-    from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
-    from recover_hsdp.launcher.startup import EndWatch
-
-    wd = cfg.watchdog
-    return EndWatch(run_dir, int(cfg.run.np), stale_s=3 * float(wd.hang_timeout_s),
-                    launch_id=env.get(ENV_LAUNCH_ID),
-                    deliver_s=float(wd.hang_timeout_s) + 2 * float(wd.heartbeat_s))
-
-
 def _rejoin_left(cfg, used: int) -> bool:
     """elastic.rejoin and fewer than elastic.max_rejoins rejoin relaunches used: the next
     segment's ranks checkpoint and leave for a relaunch when a replica is lost and no standby is
@@ -265,9 +237,8 @@ def run_resilient(job) -> JobResult:
     """Launch (and relaunch, and resume) one resilient job; see the module docstring."""
     from recover_hsdp.config import save_config
     from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
-    from recover_hsdp.hsdp.topology import serve_store
-    from recover_hsdp.launcher.run import run_job
     from recover_hsdp.launcher.store import default_store_host
+    from recover_hsdp.launcher.supervise import Watch, supervise
     from recover_hsdp.record import RecordError, read_run
     from recover_hsdp.record.checkpoint import (append_segment, latest_complete,
                                                 read_segments, truncate_steps)
@@ -309,7 +280,7 @@ def run_resilient(job) -> JobResult:
             stop["target"] = request_stop(run_dir, signal.Signals(signum).name)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    restarts, rejoins, start_tries, t_begin = 0, 0, 0, time.monotonic()
+    restarts, rejoins, t_begin = 0, 0, time.monotonic()
     reason = "resume" if resume else "start"
     try:
         while True:
@@ -339,7 +310,8 @@ def run_resilient(job) -> JobResult:
                 "rejoin": _rejoin_left(cfg, rejoins),
                 # this segment's schedule (verify replays each segment under its own)
                 "steps": steps, "optim": _segment_optim(cfg)})
-            with serve_store(host) as store:
+
+            def prepare(store: str, k=k, resume=resume, seg_cfg=seg_cfg):
                 env = job_env(job, store)
                 env[ENV_SEGMENT] = str(k)
                 env[ENV_REJOIN] = "1" if _rejoin_left(cfg, rejoins) else "0"
@@ -351,25 +323,22 @@ def run_resilient(job) -> JobResult:
                 cmd = cmd[:1] + extra + cmd[1:]
                 (ldir / f"command.seg{k}.sh").write_text(shlex.join(cmd) + "\n")
                 print(f"[{PROG}] segment {k} ({reason}): {shlex.join(cmd)}", flush=True)
-                box: dict[str, Any] = {}
-                log = ldir / "output.log"
-                log_off = log.stat().st_size if log.exists() else 0
-                limit = (None if cfg.run.time_limit_s is None else
-                         max(1.0, float(cfg.run.time_limit_s) - (time.monotonic() - t_begin)))
-                watchdog, start_w = _watchers(cfg, run_dir)   # hangs, start-up
-                end_w = end_watch(cfg, run_dir, env) if start_w else None
-                th = threading.Thread(target=lambda: box.update(out=run_job(
-                    cmd, env, log_path=ldir / "output.log", time_limit_s=limit,
-                    watch=start_w.poll if start_w else None,
-                    ended=end_w.poll if end_w else None)))
-                th.start()
-                try:
-                    while th.is_alive():
-                        th.join(0.2)
-                finally:
-                    if watchdog is not None:
-                        watchdog.stop()
-            outcome = box.get("out")
+                return cmd, env
+
+            def on_retry(n: int, of: int, out, k=k) -> None:   # a death before the world formed
+                print(f"[{PROG}] start-up failed ({out.reason}) after {out.wall_s:.1f} s: "
+                      f"launching segment {k} again ({n}/{of} of elastic.start_retries)",
+                      flush=True)
+
+            log = ldir / "output.log"
+            log_off = log.stat().st_size if log.exists() else 0
+            deadline = (None if cfg.run.time_limit_s is None else
+                        t_begin + float(cfg.run.time_limit_s))
+            launched = supervise(prepare, run_dir=run_dir, np=int(cfg.run.np),
+                                 watch=Watch.of(cfg), log_path=log, store_host=host,
+                                 deadline=deadline, start_retries=int(cfg.elastic.start_retries),
+                                 on_retry=on_retry, in_thread=True)   # signals: a stop request
+            outcome = launched.outcome
             first = _first_commit_time(run_dir, k)
             try:
                 committed = set(read_run(run_dir).steps)
@@ -382,19 +351,12 @@ def run_resilient(job) -> JobResult:
             append_segment(run_dir, {
                 "event": "end", "segment": k, "end_time": time.time(),
                 "rc": getattr(outcome, "returncode", None), "outcome": status,
+                "start_tries": launched.tries,
                 "steps_committed": len(committed),
                 "resume_time_s": None if first is None else round(first - launch_time, 3)})
             res.steps_committed = len(committed & set(range(steps)))
             res.last_step = max(committed) if committed else None
             res.launcher_wall_s = time.monotonic() - t_begin
-            if (outcome is not None and outcome.stopped == "startup" and start_w is not None
-                    and not start_w.errors_logged()
-                    and start_tries < int(cfg.elastic.start_retries)):
-                start_tries += 1        # a death before the world formed: launch it again
-                print(f"[{PROG}] start-up failed ({outcome.reason}): launching segment {k} "
-                      f"again ({start_tries}/{cfg.elastic.start_retries} of "
-                      f"elastic.start_retries)", flush=True)
-                continue
             if done:
                 res.status, res.exit_code = "ok", EXIT_OK
                 res.note = (f"{k + 1} segment(s); {restarts} automatic relaunch(es)"

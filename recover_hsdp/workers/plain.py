@@ -200,6 +200,7 @@ def run_plain_worker(cfg: Any) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from recover_hsdp.config import config_dict
+    from recover_hsdp.faults import failstop
     from recover_hsdp.workers.build import RankBuild
     from recover_hsdp.faults import FailureInjector, FailureSchedule, FailuresConfig
     from recover_hsdp.hsdp import fsdp_hybrid as fh
@@ -230,6 +231,11 @@ def run_plain_worker(cfg: Any) -> int:
     rank = dist.get_rank()
     topo = fh.HybridTopology.for_world(W, S, rank, dist.get_world_size())
     replica, shard_index = topo.replica, topo.shard_index
+    # the heartbeat the launcher's watchdog judges (launcher/supervise.py): no heartbeat for
+    # watchdog.hang_timeout_s, or no progress outside a long phase, and this rank is SIGKILLed,
+    # which aborts this plain job like any death
+    failstop.configure(os.environ.get(failstop.ENV_RUN_DIR) or run_dir, rank, replica)
+    failstop.start_heartbeat(os.environ.get(failstop.ENV_RUN_DIR) or run_dir, rank)
     events = EventLog(attempt_dir(run_dir, attempt) / f"events.rank{rank}.jsonl" if cr else None)
     events("launch_seen", t=t_launch)
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
@@ -256,6 +262,13 @@ def run_plain_worker(cfg: Any) -> int:
                         mixed_precision=fh.bf16_mixed_precision() if mp == "bf16" else None)
     optimizer = b.optimizer(module)
     optim_cfg = b.optim
+    from recover_hsdp.hsdp.topology import CKPT_SAVE_BOUND_S
+    from recover_hsdp.workers.resilient import SNAPSHOT_FLOOR_BPS
+
+    # a checkpoint save or load moves the parameters and two optimizer moments: its long-phase
+    # bound scales with those bytes over a floor bandwidth
+    ckpt_bound_s = max(CKPT_SAVE_BOUND_S, 3 * sum(
+        t.numel() * t.element_size() for t in module.parameters()) / SNAPSHOT_FLOOR_BPS)
     source = b.source(replica, W)
     mbs = par.micro_batch_size
     tpm = b.tokens_per_microbatch          # tokens of this rank's rows
@@ -306,8 +319,9 @@ def run_plain_worker(cfg: Any) -> int:
             events("ckpt_load_start", resume)
             msd, osd = get_state_dict(module, optimizer)
             state = {"model": msd, "optim": osd, "progress": {"step": torch.tensor(-1)}}
-            dcp.load(state, checkpoint_id=str(checkpoint_path(run_dir, resume)),
-                     process_group=ckpt_pg)
+            with failstop.long_phase("checkpoint load", ckpt_bound_s):
+                dcp.load(state, checkpoint_id=str(checkpoint_path(run_dir, resume)),
+                         process_group=ckpt_pg)
             set_state_dict(module, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
             start = int(state["progress"]["step"])
@@ -329,6 +343,10 @@ def run_plain_worker(cfg: Any) -> int:
 
     def save_checkpoint(resume_step: int) -> None:
         path = str(checkpoint_path(run_dir, resume_step))
+        with failstop.long_phase("checkpoint save", ckpt_bound_s):
+            _save(path, resume_step)
+
+    def _save(path: str, resume_step: int) -> None:
         wait_pending()                      # one save in flight at most
         events("ckpt_save_start", resume_step)
         msd, osd = get_state_dict(module, optimizer)
@@ -351,6 +369,7 @@ def run_plain_worker(cfg: Any) -> int:
     loss = float("nan")
     skipped_in_a_row = 0
     for step in range(start, steps):
+        failstop.step_begins()      # progress, and the median step the auto bound scales with
         t0 = time.perf_counter()
         reduce_points.step = step
         optimizer.zero_grad(set_to_none=True)
@@ -367,6 +386,7 @@ def run_plain_worker(cfg: Any) -> int:
                 injector.check("backward", step, microbatch=m)
                 (lm / G).backward()      # the last one synchronizes (the `reduce` points)
             local_loss += lm.detach().double()
+            failstop.tick()
         injector.check("pre_step", step)
         lr = float(lr_at(step, optim_cfg))
         for grp in optimizer.param_groups:
@@ -388,6 +408,7 @@ def run_plain_worker(cfg: Any) -> int:
         # the step loss as the resilient trainer reports it: sum over ranks of loss/S, over B
         local_loss = local_loss.cpu()   # one host sync per step (the world group is gloo)
         dist.all_reduce(local_loss)
+        failstop.tick()
         loss = float(local_loss) / (S * B)
         tokens += tokens_per_step
         rec = StepRecord(step=step, loss=loss if math.isfinite(loss) else None, tokens=tokens_per_step, alive=list(range(W)),
@@ -405,7 +426,8 @@ def run_plain_worker(cfg: Any) -> int:
                   f"attempt {attempt}  [{mode}]", flush=True)
         if cr and (step + 1) % interval == 0 and step + 1 < steps:
             save_checkpoint(step + 1)
-    wait_pending()
+    with failstop.long_phase("checkpoint save", ckpt_bound_s):
+        wait_pending()
     wall = time.perf_counter() - t_start
     if not cr and is_logger:
         recorder.finish(RunSummary(
@@ -424,4 +446,5 @@ def run_plain_worker(cfg: Any) -> int:
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
+    failstop.mark_done()        # a clean exit: the reaper spares the mates
     os._exit(0)

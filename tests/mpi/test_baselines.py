@@ -5,6 +5,9 @@
 * baseline=checkpoint_restart with a kill inside step 3's gradient synchronization: the job is
   aborted, relaunched from the step-2 DCP checkpoint, and replays EXACTLY: every committed loss and
   the final parameters equal the failure-free reference bit for bit (sync and async saves).
+* The same with a WEDGED rank (its main thread blocked, its heartbeat beating): the baseline runs
+  under the supervisor every launch shares (launcher/supervise.py), whose progress watchdog
+  SIGKILLs the rank; the plain job aborts, is relaunched and replays exactly as after a kill.
 """
 from __future__ import annotations
 
@@ -87,7 +90,8 @@ def test_reference_matches_failure_free_resilient_run(tmp_path, shard_size, requ
     assert json.loads((ref / "summary.json").read_text())["steps_committed"] == STEPS
 
 
-def _check_cr(run: Path, reference: Path, p: subprocess.CompletedProcess) -> dict:
+def _check_cr(run: Path, reference: Path, p: subprocess.CompletedProcess,
+              location: str = "reduce") -> dict:
     assert f"steps committed    {STEPS}/{STEPS}" in p.stdout
     assert "prterun noticed that process rank 1" in p.stdout   # mpirun aborted the job
     restarts = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines()]
@@ -95,7 +99,7 @@ def _check_cr(run: Path, reference: Path, p: subprocess.CompletedProcess) -> dic
     assert restarts[0]["rc"] != 0 and restarts[0]["reason"].startswith("killed")
     assert restarts[1]["rc"] == 0 and restarts[1]["resume_step"] == 2
     fired = json.loads((run / "faults" / "fired.rank1.json").read_text())
-    assert fired["entry"]["location"] == "reduce" and fired["entry"]["step"] == 3
+    assert fired["entry"]["location"] == location and fired["entry"]["step"] == 3
     for k in ("00", "01"):
         ev = [json.loads(x)["event"] for x in
               (run / "attempts" / k / "events.rank0.jsonl").read_text().splitlines()]
@@ -144,3 +148,24 @@ def test_checkpoint_restart_async_save(tmp_path, reference_w2s1):
           (run / "attempts" / "00" / "events.rank0.jsonl").read_text().splitlines()]
     persisted = [e for e in ev if e["event"] == "ckpt_persisted"]
     assert persisted and persisted[0]["step"] == 2
+
+
+WEDGE = ("failures.schedule=[{step: 3, replica: 1, local_rank: 0, location: forward, "
+         "microbatch: 0, kind: wedge}]")
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_restart_wedged_rank_is_judged_and_relaunched(tmp_path, reference_w2s1):
+    run = tmp_path / "cr_wedge"
+    p = _train(run, "baseline=checkpoint_restart", "baseline.ckpt_interval=2", WEDGE,
+               "watchdog.progress_floor_s=5")
+    _check_cr(run, reference_w2s1, p, location="forward")
+    verdict = json.loads((run / "faults" / "hung.rank1.json").read_text())
+    assert "no progress" in verdict["reason"], verdict
+    assert not (run / "faults" / "hung.rank0.json").exists()     # its mate waited on it
+    restarts = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines()]
+    assert "(wedge)" in restarts[0]["reason"] and "judged by the watchdog: rank 1" in \
+        restarts[0]["reason"], restarts[0]
+    fired = json.loads((run / "faults" / "fired.rank1.json").read_text())
+    detected = verdict["time"] - fired["time"]
+    assert 5 <= detected < 20, detected    # the 5 s progress floor (+ beats), not gloo's 30 s
