@@ -10,7 +10,9 @@ watchdog.py    HangWatchdog: stale heartbeats, stalled progress
 reaper.py      the still mates of a rank that died uncleanly
 startup.py     StartupWatch (deaths before the world forms), EndWatch (a hung mpirun)
 nodeloss.py    mpirun's lost-daemon output -> the next segment's hosts
-resume.py      the relaunch / resume / rejoin / start-retry policy of `recover-hsdp train`
+supervise.py   ONE supervised launch (store, watchdog + reaper, start-up watch and retries, end
+               watch): every launcher below and baselines/checkpoint_restart.py start mpirun here
+resume.py      the relaunch / resume / rejoin policy of `recover-hsdp train`
 launch_cmd.py  `recover-hsdp launch -n N -- COMMAND`: any rank program, supervised
 rank.py        the rank parent under `recover-hsdp launch` (exit and error records)
 
