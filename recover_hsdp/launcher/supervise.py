@@ -8,7 +8,8 @@ through :func:`supervise`, so each gets the same supervisor:
     the rendezvous store served here, outside the ranks
     the hang / progress watchdog and the mate reaper (launcher/watchdog.py, reaper.py)
     the start-up watch, and a start that died before the world formed launched again
-       (launcher/startup.StartupWatch; up to ``start_retries`` times)
+       (launcher/startup.StartupWatch; up to ``start_retries`` times), as is an mpirun that
+       exits non-zero before it started any rank (a runtime that failed to come up)
     the end watch: an mpirun that outlives every one of its ranks is stopped
        (launcher/startup.EndWatch)
 
@@ -18,6 +19,7 @@ how a launch is watched is not theirs to copy. The watchers read the ranks' hear
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -67,6 +69,15 @@ class Launched:
 
 #: (store address) -> (the mpirun line, the ranks' environment) of one try
 Prepare = Callable[[str], "tuple[Sequence[str], Mapping[str, str]]"]
+
+
+def _no_rank_started(run_dir: Path) -> bool:
+    """Not one rank of this try left a mark (start marker, heartbeat, exit record)."""
+    from recover_hsdp.faults.failstop import RANKS_DIR
+
+    d = run_dir / RANKS_DIR
+    return not d.is_dir() or not any(
+        p.name.endswith(".json") and not p.name.startswith(".") for p in d.iterdir())
 
 
 def _all_exited(run_dir: Path, np: int) -> bool:
@@ -150,6 +161,13 @@ def supervise(prepare: Prepare, *, run_dir: Path, np: int, watch: Optional[Watch
             finally:
                 if wd is not None:
                     wd.stop()
+        if (watching and outcome.stopped is None and outcome.returncode not in (0, None)
+                and _no_rank_started(run_dir) and not start.errors_logged()):
+            # mpirun gave up before it started a single rank (seen here on a loaded machine:
+            # "The PMIx server's listener thread failed to start"): a failed start, retried
+            outcome = dataclasses.replace(
+                outcome, stopped="startup",
+                reason=f"mpirun exited with code {outcome.returncode} before any rank started")
         got = Launched(outcome, start, k)
         if not got.startup_failed or k == tries:
             return got
