@@ -45,7 +45,7 @@ from typing import Any, Sequence
 # checkpoint-restart baseline, which both launch jobs (re-exported here for callers)
 from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, Job, JobResult,  # noqa: F401
                                        baseline_name, holds_run, job_command, job_env,
-                                       print_error)
+                                       print_error, say)
 # judging a finished job from its run directory, the exit codes, and reporting it
 from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED,  # noqa: F401
                                          EXIT_INTERRUPTED, EXIT_OK, EXIT_TIME_LIMIT,
@@ -226,7 +226,7 @@ def launch_job(job: Job) -> JobResult:
     """Write the resolved config, host the store, run mpirun, judge the run directory."""
     from recover_hsdp.config import save_config
     from recover_hsdp.launcher.store import default_store_host
-    from recover_hsdp.launcher.supervise import Watch, supervise
+    from recover_hsdp.launcher.supervise import Watch, retry_notice, supervise
 
     if baseline_name(job.cfg) == "checkpoint_restart":   # relaunches the job after every failure
         from recover_hsdp.baselines.checkpoint_restart import run_checkpoint_restart
@@ -254,17 +254,14 @@ def launch_job(job: Job) -> JobResult:
         print(f"[{PROG}] {shlex.join(cmd)}", flush=True)
         return cmd, env
 
-    def on_retry(n: int, of: int, out) -> None:   # a death before the world formed
-        print(f"[{PROG}] start-up failed ({out.reason}) after {out.wall_s:.1f} s: "
-              f"launching again ({n}/{of} of elastic.start_retries)", flush=True)
-
     limit = job.cfg.run.time_limit_s
     try:
         launched = supervise(prepare, run_dir=run_dir, np=int(job.cfg.run.np),
                              watch=Watch.of(job.cfg), log_path=ldir / "output.log",
                              store_host=host,
                              deadline=None if limit is None else time.monotonic() + float(limit),
-                             start_retries=int(job.cfg.elastic.start_retries), on_retry=on_retry)
+                             start_retries=int(job.cfg.elastic.start_retries),
+                             on_retry=retry_notice(say, "elastic.start_retries"))
     except (OSError, RuntimeError) as e:   # store cannot bind (run.store_host), no mpirun, ...
         res = JobResult(job, "failed", EXIT_FAILED, int(job.cfg.run.steps))
         res.note = (f"could not launch (run.store_host={host!r}, run.mpirun="

@@ -39,7 +39,7 @@ from recover_hsdp.baselines import PLAIN_WORKER_FN, RESTARTS
 from recover_hsdp.workers.plain import ENV_ATTEMPT, attempt_dir, latest_checkpoint
 from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, ULFM_FLAGS,  # noqa: F401
                                        JobResult, holds_run, job_command, job_env,
-                                       plain_mpirun, print_error)
+                                       plain_mpirun, print_error, say)
 from recover_hsdp.launcher.judge import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                          EXIT_TIME_LIMIT)
 
@@ -127,7 +127,7 @@ def run_checkpoint_restart(job) -> Any:
 
     from recover_hsdp.launcher.command import ENV_WORKER_FN
     from recover_hsdp.launcher.store import default_store_host
-    from recover_hsdp.launcher.supervise import Watch, supervise
+    from recover_hsdp.launcher.supervise import Watch, retry_notice, supervise
     from recover_hsdp.record import JsonlAppender, write_summary
 
     cfg = job.cfg
@@ -169,25 +169,23 @@ def run_checkpoint_restart(job) -> Any:
                       flush=True)
                 return cmd, env
 
-            def on_retry(n: int, of: int, out, attempt=attempt) -> None:
-                print(f"[{PROG}] start-up failed ({out.reason}) after {out.wall_s:.1f} s: "
-                      f"launching attempt {attempt} again ({n}/{of} of elastic.start_retries)",
-                      flush=True)
-
             launch_time = time.time()
             # the supervisor of every launch (launcher/supervise.py): a hung or wedged rank is
             # SIGKILLed by the watchdog, which aborts this plain job -> a failure relaunched here
             launched = supervise(prepare, run_dir=run_dir, np=int(cfg.run.np),
                                  watch=Watch.of(cfg), log_path=ldir / "output.log",
                                  store_host=host, deadline=deadline,
-                                 start_retries=int(cfg.elastic.start_retries), on_retry=on_retry)
+                                 start_retries=int(cfg.elastic.start_retries),
+                                 on_retry=retry_notice(say, "elastic.start_retries",
+                                                       f"attempt {attempt}"))
             outcome = launched.outcome
             exit_time = time.time()
             new = read_attempt_steps(run_dir, attempt)
             for s, v in new.items():
                 committed.setdefault(s, v)
             fired = [f for f in _fired(run_dir) if launch_time <= f["time"] <= exit_time]
-            hung = [v for v in _judged(run_dir) if launch_time <= v["time"] <= exit_time]
+            hung = [v for v in _fault_records(run_dir, "hung")   # the watchdog's verdicts
+                    if launch_time <= v["time"] <= exit_time]
             done = set(range(steps)) <= set(committed)
             # "ended" (mpirun outlived its ranks) and "startup" (the world never formed) are
             # attempts that ended; a time limit or an interrupt stops the run
@@ -282,12 +280,12 @@ def run_checkpoint_restart(job) -> Any:
     return res
 
 
-def _judged(run_dir: Path) -> list[dict]:
-    """The watchdog's verdicts (faults/hung.rank{g}.json, launcher/watchdog.py): a rank with no
-    heartbeat or no progress, SIGKILLed, which aborts a plain job like any death."""
+def _fault_records(run_dir: Path, kind: str) -> list[dict]:
+    """faults/{kind}.rank{g}.json of every rank: "fired" (a scheduled fault, written by the rank
+    before it fires) or "hung" (the watchdog's verdict, launcher/watchdog.py)."""
     out = []
     d = run_dir / "faults"
-    for p in sorted(d.glob("hung.rank*.json")) if d.is_dir() else ():
+    for p in sorted(d.glob(f"{kind}.rank*.json")) if d.is_dir() else ():
         try:
             out.append(json.loads(p.read_text()))
         except (OSError, ValueError):
@@ -296,12 +294,4 @@ def _judged(run_dir: Path) -> list[dict]:
 
 
 def _fired(run_dir: Path) -> list[dict]:
-    out = []
-    d = run_dir / "faults"
-    if d.is_dir():
-        for p in sorted(d.glob("fired.rank*.json")):
-            try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-    return out
+    return _fault_records(run_dir, "fired")

@@ -19,6 +19,11 @@ PROG = "recover-hsdp train"
 ULFM_FLAGS = ("--with-ft", "ulfm")
 
 
+def say(msg: str) -> None:
+    """One progress line on stdout, prefixed as the launcher's lines are."""
+    print(f"[{PROG}] {msg}", flush=True)
+
+
 def print_error(msg: str) -> None:
     """One line on stderr, prefixed with the program name."""
     print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)

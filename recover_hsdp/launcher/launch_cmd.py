@@ -173,7 +173,7 @@ def launch(o: Options) -> int:
     from recover_hsdp.launcher.command import rank_env
     from recover_hsdp.launcher.judge import EXIT_CONFIG, EXIT_FAILED, judge_launch
     from recover_hsdp.launcher.store import default_store_host
-    from recover_hsdp.launcher.supervise import Watch, supervise
+    from recover_hsdp.launcher.supervise import Watch, retry_notice, supervise
 
     run_dir = Path(o.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if not o.run_dir:       # a default name is never an earlier launch's
@@ -206,10 +206,6 @@ def launch(o: Options) -> int:
         _log(shlex.join(o.command) + f" on {o.np} ranks")
         return cmd, env
 
-    def on_retry(n: int, of: int, out) -> None:     # a death before the world formed
-        _log(f"start-up failed ({out.reason}) after {out.wall_s:.1f} s: launching again "
-             f"({n}/{of} of --start-retries)")
-
     # the loop's W x S is its own: the reaper's S is told by the heartbeats (shard_size None)
     watch = Watch(float(o.hang_timeout_s), float(o.heartbeat_s), o.progress_timeout_s)
     try:
@@ -217,7 +213,8 @@ def launch(o: Options) -> int:
                              log_path=ldir / "output.log", store_host=host,
                              deadline=None if o.time_limit_s is None
                              else time.monotonic() + float(o.time_limit_s),
-                             start_retries=int(o.start_retries), on_retry=on_retry,
+                             start_retries=int(o.start_retries),
+                             on_retry=retry_notice(_log, "--start-retries"),
                              settle_errors_s=ERROR_SETTLE_S)
     except (OSError, RuntimeError) as e:
         print(f"{PROG}: error: could not launch (store host {host!r}): "
@@ -228,7 +225,7 @@ def launch(o: Options) -> int:
         _log(f"FAILED: start-up failed {launched.tries} time(s), the last: {outcome.reason}; "
              f"see {ldir / 'output.log'}")
         return EXIT_FAILED
-    v = judge_launch(run_dir, o.np, outcome.stopped if outcome else None)
+    v = judge_launch(run_dir, o.np, outcome.stopped)
     if v.exit_code == EXIT_CONFIG:      # the same user error everywhere: one line
         print(f"{PROG}: error: {v.line}", file=sys.stderr, flush=True)
     else:

@@ -21,10 +21,10 @@ what happens when a segment (one mpirun) ends:
 
 Each segment's mpirun runs under the supervisor every launcher shares (launcher/supervise.py:
 the watchdog and reaper, the start-up watch and its elastic.start_retries, the end watch); a
-start retried there stays one segment. Each launch is a segment: segments.jsonl gets a "start" line before mpirun (shape, resume step,
-checkpoint, cursors) and an "end" line after it (rc, outcome, resume time launch -> first
-commit). Before a resume, step lines past the checkpoint are moved to steps/discarded/ so every
-step is committed once in the run record.
+start retried there stays one segment. Each launch is a segment: segments.jsonl gets a "start"
+line before mpirun (shape, resume step, checkpoint, cursors) and an "end" line after it (rc,
+outcome, resume time launch -> first commit). Before a resume, step lines past the checkpoint
+are moved to steps/discarded/ so every step is committed once in the run record.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from typing import Any
 
 from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, JobResult,  # noqa: F401
                                        baseline_name, holds_run, job_command, job_env,
-                                       print_error)
+                                       print_error, say)
 from recover_hsdp.optim import RESUME_MUTABLE
 from recover_hsdp.launcher.judge import (EXIT_CONFIG, EXIT_FAILED, EXIT_OK,  # noqa: F401
                                          EXIT_PREEMPTED, EXIT_TIME_LIMIT)
@@ -238,7 +238,7 @@ def run_resilient(job) -> JobResult:
     from recover_hsdp.config import save_config
     from recover_hsdp.hsdp.checkpoint import ENV_REJOIN, ENV_RESUME_FROM, ENV_SEGMENT
     from recover_hsdp.launcher.store import default_store_host
-    from recover_hsdp.launcher.supervise import Watch, supervise
+    from recover_hsdp.launcher.supervise import Watch, retry_notice, supervise
     from recover_hsdp.record import RecordError, read_run
     from recover_hsdp.record.checkpoint import (append_segment, latest_complete,
                                                 read_segments, truncate_steps)
@@ -325,11 +325,6 @@ def run_resilient(job) -> JobResult:
                 print(f"[{PROG}] segment {k} ({reason}): {shlex.join(cmd)}", flush=True)
                 return cmd, env
 
-            def on_retry(n: int, of: int, out, k=k) -> None:   # a death before the world formed
-                print(f"[{PROG}] start-up failed ({out.reason}) after {out.wall_s:.1f} s: "
-                      f"launching segment {k} again ({n}/{of} of elastic.start_retries)",
-                      flush=True)
-
             log = ldir / "output.log"
             log_off = log.stat().st_size if log.exists() else 0
             deadline = (None if cfg.run.time_limit_s is None else
@@ -337,7 +332,9 @@ def run_resilient(job) -> JobResult:
             launched = supervise(prepare, run_dir=run_dir, np=int(cfg.run.np),
                                  watch=Watch.of(cfg), log_path=log, store_host=host,
                                  deadline=deadline, start_retries=int(cfg.elastic.start_retries),
-                                 on_retry=on_retry, in_thread=True)   # signals: a stop request
+                                 on_retry=retry_notice(say, "elastic.start_retries",
+                                                       f"segment {k}"),
+                                 in_thread=True)   # this thread's signals: a stop request
             outcome = launched.outcome
             first = _first_commit_time(run_dir, k)
             try:

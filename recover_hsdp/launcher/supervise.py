@@ -71,6 +71,16 @@ class Launched:
 Prepare = Callable[[str], "tuple[Sequence[str], Mapping[str, str]]"]
 
 
+def retry_notice(log: Callable[[str], None], key: str, what: str = ""
+                 ) -> Callable[[int, int, Any], None]:
+    """The ``on_retry`` of every launcher: one line naming the failed start and ``key``, the
+    setting whose retries it uses (``what``: the launch retried, e.g. "segment 2")."""
+    def notice(n: int, of: int, out) -> None:
+        log(f"start-up failed ({out.reason}) after {out.wall_s:.1f} s: launching "
+            f"{what + ' ' if what else ''}again ({n}/{of} of {key})")
+    return notice
+
+
 def _no_rank_started(run_dir: Path) -> bool:
     """Not one rank of this try left a mark (start marker, heartbeat, exit record)."""
     from recover_hsdp.faults.failstop import RANKS_DIR

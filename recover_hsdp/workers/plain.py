@@ -234,8 +234,9 @@ def run_plain_worker(cfg: Any) -> int:
     # the heartbeat the launcher's watchdog judges (launcher/supervise.py): no heartbeat for
     # watchdog.hang_timeout_s, or no progress outside a long phase, and this rank is SIGKILLed,
     # which aborts this plain job like any death
-    failstop.configure(os.environ.get(failstop.ENV_RUN_DIR) or run_dir, rank, replica)
-    failstop.start_heartbeat(os.environ.get(failstop.ENV_RUN_DIR) or run_dir, rank)
+    hb_dir = os.environ.get(failstop.ENV_RUN_DIR) or run_dir
+    failstop.configure(hb_dir, rank, replica)
+    failstop.start_heartbeat(hb_dir, rank)
     events = EventLog(attempt_dir(run_dir, attempt) / f"events.rank{rank}.jsonl" if cr else None)
     events("launch_seen", t=t_launch)
     from recover_hsdp.hsdp.manager import resolve_mixed_precision
