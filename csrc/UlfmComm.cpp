@@ -360,6 +360,46 @@ bool UlfmComm::quiesced() const {
   return quiesce_.load();
 }
 
+void UlfmComm::revoke() {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto g = lockGlobal();
+  noteFailureSeen();
+  MPIX_Comm_revoke(comm_);
+  pushRevoke();
+}
+
+std::pair<bool, std::vector<int64_t>> UlfmComm::pollFailures() {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto g = lockGlobal();
+  int flag = 0;
+  MPI_Status st;
+  // progress: failure notifications and revoke messages are handled inside the progress engine
+  MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_SELF, &flag, &st);
+  int revoked = 0;
+  MPIX_Comm_is_revoked(comm_, &revoked);
+  std::vector<int64_t> failed;
+  MPI_Group fg = MPI_GROUP_NULL;
+  if (MPIX_Comm_get_failed(comm_, &fg) == MPI_SUCCESS && fg != MPI_GROUP_NULL) {
+    int n = 0;
+    MPI_Group_size(fg, &n);
+    if (n > 0) {
+      MPI_Group world_group = MPI_GROUP_NULL;
+      MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+      std::vector<int> idx(n), in_world(n);
+      std::iota(idx.begin(), idx.end(), 0);
+      MPI_Group_translate_ranks(fg, n, idx.data(), world_group, in_world.data());
+      MPI_Group_free(&world_group);
+      for (int r : in_world) {
+        if (r != MPI_UNDEFINED) {
+          failed.push_back(r);
+        }
+      }
+    }
+    MPI_Group_free(&fg);
+  }
+  return {revoked != 0, failed};
+}
+
 FailureRecord UlfmComm::lastRecord() const {
   std::lock_guard<std::mutex> lk(mu_);
   return last_;

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -77,6 +78,14 @@ class UlfmComm : public std::enable_shared_from_this<UlfmComm> {
   void setQuiesce(bool flag);
   bool quiesced() const;
   FailureRecord lastRecord() const;
+
+  // The control plane of an async data plane (recover_hsdp/hsdp/dataplane): local, no
+  // collective. revoke(): MPIX_Comm_revoke (every member's next call repairs; its messages are
+  // pushed for ~100 ms). pollFailures(): drives MPI progress once (an MPI_Iprobe on
+  // MPI_COMM_SELF), then returns {revoked, MPI_COMM_WORLD ranks of the members this process
+  // knows to have failed (MPIX_Comm_get_failed)}.
+  void revoke();
+  std::pair<bool, std::vector<int64_t>> pollFailures();
 
   // Test hooks (used by the multi-process failure tests only). This rank SIGKILLs itself at
   // `point` of its next fault-aware call: "detect" (before the agree), "record" (after a

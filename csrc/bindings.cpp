@@ -111,6 +111,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_contributed", &UlfmComm::setContributed, py::arg("n"))
       .def("set_quiesce", &UlfmComm::setQuiesce, py::arg("flag"))
       .def("last_record", &UlfmComm::lastRecord)
+      .def("revoke", &UlfmComm::revoke, py::call_guard<py::gil_scoped_release>())
+      .def("poll_failures", &UlfmComm::pollFailures, py::call_guard<py::gil_scoped_release>())
       .def("_debug_kill_at", &UlfmComm::debugKillAt, py::arg("point"), py::arg("delay_us") = 0)
       .def("_debug_split_data", &UlfmComm::debugSplitData, py::arg("parts"))
       .def("_debug_fail_next_data", &UlfmComm::debugFailNextData)

@@ -234,6 +234,17 @@ class UlfmGroup:
         """Broadcast from group rank `src` (not a world rank). Ignores quiesce."""
         return self._result(self._comm.broadcast(tensor, int(src)))
 
+    # ---- the control plane of an async data plane (hsdp/dataplane) --------------------------
+    def revoke(self) -> None:
+        """MPIX_Comm_revoke: every member's next call on this group repairs (local, no wait)."""
+        self._comm.revoke()
+
+    def poll_failures(self) -> tuple[bool, tuple[int, ...]]:
+        """Local, no collective: drive MPI progress once, then (revoked, the MPI_COMM_WORLD ranks
+        of members this process knows to have failed)."""
+        revoked, failed = self._comm.poll_failures()
+        return bool(revoked), tuple(int(r) for r in failed)
+
     def last_result(self) -> UlfmResult:
         """The record of the most recent call on this group (also calls made through `.pg`)."""
         return self._result(self._comm.last_record())

@@ -74,12 +74,16 @@ class ParallelConfig:
     global_batch: Optional[int] = None   # B in microbatches, if you want it checked; null = W*G
     mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
     standby: int = 0               # hot-standby replicas launched idle (docs/rejoin.md)
+    replicate_data_plane: str = "ulfm"   # cross-replica bytes: ulfm | gloo | nccl (docs/dataplane.md)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
                                           "micro_batch_size", "seq_len"))
         if not _is_int(self.standby) or self.standby < 0:
             raise TrainConfigError(f"parallel.standby({self.standby!r}) must be an integer >= 0")
+        if self.replicate_data_plane not in ("ulfm", "gloo", "nccl"):
+            raise TrainConfigError(f"parallel.replicate_data_plane({self.replicate_data_plane!r})"
+                                   " must be ulfm, gloo or nccl")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
                                    f"auto, bf16 or fp32")

@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -84,7 +84,8 @@ class HSDPCrossReplicaGroup:
                  shard_barrier: Callable[[], None],
                  elect: Callable, contrib_total: Callable,
                  checkpoint: Callable[..., None] = lambda location, **kw: None,
-                 die: Callable[[], None] = _die, standby: int = 0):
+                 die: Callable[[], None] = _die, standby: int = 0,
+                 data_plane: str = "ulfm", plane_options: Optional[dict] = None):
         self.world = world
         self.S = shard_size
         self.w_init = replicas
@@ -117,6 +118,12 @@ class HSDPCrossReplicaGroup:
         self._quiesce_flag = False
         self.rg = None if self.is_standby else make_group(self._replicate_ranks())
         self.last_result: ReplicaResult = ReplicaResult(ok=True)
+        # the bytes of the bucket sums (hsdp/dataplane): ulfm (the default: on self.rg), gloo,
+        # nccl; the control plane (this class's consensus, self.world, self.rg) stays on ULFM
+        from recover_hsdp.hsdp.dataplane import make_data_plane
+
+        self.plane = make_data_plane(data_plane, self, **(plane_options or {}))
+        self.plane.membership_changed()
 
     # --- the UlfmGroup-like surface the orchestrator drives ---------------------------------
     @property
@@ -219,20 +226,36 @@ class HSDPCrossReplicaGroup:
         self._clean = True
 
     def allreduce(self, tensor: torch.Tensor) -> ReplicaResult:
+        """The bucket's SUM over my replicate group, waited for (see allreduce_async)."""
+        return self.allreduce_async(tensor).wait()
+
+    def allreduce_async(self, tensor: torch.Tensor):
+        """Post the bucket's SUM on the data plane; ``.wait()`` gives its ReplicaResult. Not
+        authoritative: a failure is ``reduce_failed`` (the bucket is undefined, rewound later),
+        the records come from consensus() only."""
         if self.quiesced:
-            return ReplicaResult(ok=True, quiesced=True, epoch=self.epoch)
-        res = self.rg.allreduce(tensor)
-        if getattr(res, "quiesced", False):
-            return ReplicaResult(ok=True, quiesced=True, epoch=self.epoch)
-        if res.ok:
-            return ReplicaResult(ok=True, epoch=self.epoch)
+            from recover_hsdp.hsdp.dataplane import DoneWork
+
+            return DoneWork(self.result(ok=True, quiesced=True))
+        return self.plane.allreduce(tensor)
+
+    # --- what a data plane reports back (hsdp/dataplane) ------------------------------------
+    def result(self, *, ok: bool, quiesced: bool = False,
+               reduce_failed: bool = False) -> ReplicaResult:
+        return ReplicaResult(ok=ok, quiesced=quiesced, reduce_failed=reduce_failed,
+                             epoch=self.epoch)
+
+    def note_unclean(self, quiesce_group: bool = False) -> None:
+        """A bucket of this pass was not reduced under the pre-failure membership here.
+        quiesce_group: the failure was seen uniformly by my replicate group (a repair in the
+        ulfm plane's Detect): its later buckets of the pass are skipped."""
         self._clean = False
-        if not getattr(res, "reduce_failed", False):
-            # Detect repaired my group: every member got this record in this same call, so
-            # quiescing here is uniform across the group (no one waits for us in Detect).
+        if quiesce_group:
             self._group_quiesced = True
             self.rg.set_quiesce(True)
-        return ReplicaResult(ok=False, reduce_failed=True, epoch=self.epoch)
+
+    def my_role(self) -> Role:
+        return self._roles.get(self.replica, Role.MAJOR)
 
     def consensus(self) -> ReplicaResult:
         self.last_result = self._consensus()
@@ -294,9 +317,13 @@ class HSDPCrossReplicaGroup:
                        if r not in failed_replicas}
         losses = {r: float(vec[1 + w + r].item()) for r in contributed}
         gstats = self._grad_stats_from(vec, n - self.S * len(self.pool))
-        if not failed_replicas and (self.world.epoch == epoch_before or self.n_standby):
-            # (with standbys: only a standby was lost; the moved epoch makes every bucket
+        if not failed_replicas and (self.world.epoch == epoch_before or self.n_standby
+                                    or self.plane.is_async):
+            # (with standbys: only a standby was lost; on an async data plane: a suspected
+            # failure revoked the world and nobody died. The moved epoch makes every bucket
             # stale, so the orchestrator re-reduces them: no policy event)
+            if self.world.epoch != epoch_before and not self.is_standby:
+                self.plane.membership_changed()
             return ReplicaResult(ok=True, epoch=self.epoch, all_clean=all_clean, **gstats,
                                  census=RoleCensus.of(self._roles.values()),
                                  roles=tuple(self._roles[r] for r in self.alive),
@@ -420,6 +447,7 @@ class HSDPCrossReplicaGroup:
         self.rg.set_quiesce(False)
         self.rg.set_roles([self._roles[r] for r in self._rg_order()])
         self.rg.set_contributed(self._contributed)
+        self.plane.membership_changed()
 
 
 def _failed(res) -> set[int]:

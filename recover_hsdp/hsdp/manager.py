@@ -73,6 +73,9 @@ class HSDPULFMTrainingManager:
     None or 0: off. A step whose reduced gradient holds NaN/inf (on any rank) is committed without
     an optimizer update (metrics.skipped; its microbatches are consumed); more than
     max_skipped_steps such steps in a row raise optim.NonFiniteGradError on every rank.
+    replicate_data_plane: how the bucket sums cross replicas (docs/dataplane.md): "ulfm" (the
+    default: blocking MPI on the ULFM groups), "gloo" or "nccl" (asynchronous, every bucket of a
+    pass in flight at once, under the ULFM control plane; they need the launcher-hosted store).
     """
 
     def __init__(self, model: nn.Module, *, optimizer_factory: Callable[[nn.Module], Any],
@@ -88,7 +91,8 @@ class HSDPULFMTrainingManager:
                  log: Optional[Callable[[str], None]] = None,
                  mixed_precision: Any = "auto",
                  grad_clip: Optional[float] = None,
-                 max_skipped_steps: int = 3, standby: int = 0):
+                 max_skipped_steps: int = 3, standby: int = 0,
+                 replicate_data_plane: str = "ulfm"):
         fh.check_torch_version()
         from recover_hsdp.hsdp.topology import limit_core_dumps
 
@@ -154,7 +158,8 @@ class HSDPULFMTrainingManager:
             make_group=UlfmGroup.from_ranks, shard_barrier=self._shard_barrier,
             elect=elect, contrib_total=contrib_total,
             checkpoint=lambda location: self.hooks.at(location, self.step),
-            standby=self.standby)
+            standby=self.standby, data_plane=replicate_data_plane,
+            plane_options={"timeout_s": shard_timeout_s, "log": log})
         self.joins: list[dict] = []   # join entries for the next step's record (rejoin.md)
         self._lost_seen = 0           # cross.standbys_lost already in a step's metrics
         self.failures_survived = 0
@@ -373,6 +378,7 @@ class HSDPULFMTrainingManager:
         """bucket /= B, clipped; (the divided gradient's global norm, skipped: non-finite)."""
         from recover_hsdp.optim import clip_coef
 
+        divisor = self.hooks.divisor(self.step, divisor)   # the test seam only (fault_seam.py)
         res = self.cross.last_result
         skipped = bool(res.grad_nonfinite)
         grad_norm = (res.grad_sq_norm ** 0.5) / divisor if not skipped else float("inf")

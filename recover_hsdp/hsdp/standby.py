@@ -165,6 +165,7 @@ def _install(mgr, grp, d: int) -> None:
     """Survivors and newcomer alike: the new replicate group, the policy grown back."""
     cross = mgr.cross
     cross.rg = grp
+    cross.plane.membership_changed()   # the data plane's group over the new members
     rejoin(mgr.policy, mgr.data, d)
     cross.set_roles(mgr.policy.roles())
     cross.set_contributed(0)

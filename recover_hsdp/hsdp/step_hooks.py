@@ -10,7 +10,8 @@ named for the point; this object does what the point needs for
 * the fail-stop record (faults/failstop.py): what the rank is doing (``set_context``, reported
   with an error) and progress (``tick``: the hang watchdog's heartbeat counter);
 * the test-only seams, off unless allowed (faults/seam.py): the gate that holds a step
-  (faults/gate.py) and the faults that make a step commit wrong (hsdp/fault_seam.py).
+  (faults/gate.py) and the faults that make a step commit wrong (hsdp/fault_seam.py), a wrong
+  divisor included (``divisor``).
 
 The order of these events within a step is part of the contract (tests and the failure
 schedule's locations rely on it); each method keeps the order its point had inline.
@@ -113,6 +114,11 @@ class StepHooks:
         """COMMIT agreed, before the divide and the optimizer."""
         self.injector.check("pre_step", step)
 
+    def divisor(self, step: int, divisor: int) -> int:
+        """The divisor of the committed step's reduced gradient: ``divisor`` (the policy's),
+        unless the seam's wrong-divisor kinds change it (the record keeps the policy's)."""
+        return divisor if self.seam is None else self.seam.divisor(self.mgr, step, divisor)
+
     def before_optimizer_step(self, step: int) -> None:
         failstop.set_context("optimizer.step", step)
 
@@ -144,6 +150,10 @@ class HookedGroup:
     def allreduce(self, tensor: torch.Tensor):
         self._hooks.reduce(self._step(), tensor)
         return self._g.allreduce(tensor)
+
+    def allreduce_async(self, tensor: torch.Tensor):
+        self._hooks.reduce(self._step(), tensor)
+        return self._g.allreduce_async(tensor)
 
     def consensus(self):
         self._before()

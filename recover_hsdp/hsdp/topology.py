@@ -310,6 +310,28 @@ def _env_int(*names: str) -> int:
     raise RuntimeError(f"none of {', '.join(names)} is set: launch under mpirun (or torchrun)")
 
 
+def store_client(prefix: str | None = None, *, timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
+                 world_size: int | None = None, needed_by: str | None = None):
+    """A new client of the launcher-hosted store (``RECOVER_HSDP_STORE``), under ``prefix``
+    (a PrefixStore) when given: the one function that makes the ranks' store clients.
+
+    ``needed_by`` names the setting that needs it (e.g. ``parallel.replicate_data_plane=gloo``):
+    without a launcher-hosted store (a store in rank 0 dies with it) that raises one line naming
+    it (hsdp.dataplane.DataPlaneError)."""
+    address = os.environ.get(ENV_STORE)
+    if not address:
+        from recover_hsdp.hsdp.dataplane.base import DataPlaneError
+
+        raise DataPlaneError(
+            f"{needed_by or 'this job'} needs the launcher-hosted store ({ENV_STORE} is not set; "
+            "a store hosted by rank 0 dies with it): launch with `recover-hsdp train` or "
+            "`recover-hsdp launch`, or use parallel.replicate_data_plane=ulfm")
+    host, port = _parse_host_port(address)
+    store = dist.TCPStore(host, port, world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(prefix, store) if prefix else store
+
+
 def init_distributed_from_env(
     *,
     backend: str = "gloo",
@@ -330,8 +352,7 @@ def init_distributed_from_env(
     limit_core_dumps()          # every rank: no core dump unless RECOVER_HSDP_CORE_DUMPS=1
     store_timeout = timedelta(seconds=store_timeout_s)
     if os.environ.get(ENV_STORE):
-        host, port = _parse_host_port(os.environ[ENV_STORE])
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=store_timeout)
+        store = store_client(timeout_s=store_timeout_s, world_size=world_size)
     else:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = _env_int("MASTER_PORT")

@@ -224,8 +224,20 @@ class StepTxnOrchestrator(FailureHandling):
         self._extension = False
         self._begin_pass()
         queue, self._queue, self._enqueued = self._queue, [], 0
+        # every bucket posted, then waited in order: on an async data plane (gloo, nccl) the
+        # sums move together; on the ulfm plane each result is known at its post and handled
+        # before the next post (a repair in Detect quiesces the rest of the pass)
+        pending = []
         for i in queue:
-            self._reduce_bucket(i)
+            work = self._post_bucket(i)
+            if work is None:
+                continue
+            if work.done() and not pending:
+                self._complete_bucket(i, work)
+            else:
+                pending.append((i, work))
+        for i, work in pending:
+            self._complete_bucket(i, work)
 
     def handle_work_completion(self, result: Any, bucket: Optional[int]) -> None:
         """The unified entry point for the outcome of a collective (algorithm 4).
@@ -285,7 +297,7 @@ class StepTxnOrchestrator(FailureHandling):
             res = self.group.consensus()
             if res.ok:
                 undefined = [b.index for b in self._buckets() if b.content is Content.UNDEFINED]
-                if undefined:
+                if undefined and int(self.group.epoch) == epoch_before:
                     raise RecoveryProtocolError(
                         f"consensus passed while buckets {undefined} failed their reduction here "
                         "(a failed reduce must revoke the group)")
@@ -337,10 +349,17 @@ class StepTxnOrchestrator(FailureHandling):
             begin()
 
     def _reduce_bucket(self, i: int) -> None:
+        work = self._post_bucket(i)
+        if work is not None:
+            self._complete_bucket(i, work)
+
+    def _post_bucket(self, i: int):
+        """Rewind a stale bucket, snapshot it, post its reduction: the work, or None when the
+        bucket is already reduced under the current epoch."""
         b = self.store[i]
         epoch = int(self.group.epoch)
         if b.reduced_at(epoch):
-            return
+            return None
         if b.content is not Content.LOCAL:
             # stale (reduced under an older membership, or undefined): back to the local content
             t0 = time.perf_counter()
@@ -352,7 +371,11 @@ class StepTxnOrchestrator(FailureHandling):
         t0 = time.perf_counter()
         self.store.snapshot(b, epoch)  # before the collective (a spare is zeroed inside it)
         self.stats.snapshot_s += time.perf_counter() - t0
-        res = self.group.allreduce(b.tensor)
+        post = getattr(self.group, "allreduce_async", None)
+        return post(b.tensor) if post is not None else _Done(self.group.allreduce(b.tensor))
+
+    def _complete_bucket(self, i: int, work) -> None:
+        res = work.wait()
         if not getattr(res, "quiesced", False):
             self.stats.reduces += 1
         self.handle_work_completion(res, i)
@@ -409,3 +432,17 @@ class StepTxnOrchestrator(FailureHandling):
         if not self._in_iteration:
             raise RecoveryProtocolError(f"{what} outside an iteration: call begin_iteration()")
 
+
+class _Done:
+    """A synchronous group's result as a completed work (groups without allreduce_async)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any):
+        self.result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self.result

@@ -1,0 +1,57 @@
+"""The data-plane interface: an async bucket SUM that returns a work handle (docs/dataplane.md).
+
+A plane moves bytes only. The division stays the manager's (by the fixed B); failure
+detection, agreement and repair stay on ULFM (the control plane). What a plane must do:
+
+* ``allreduce(tensor) -> DataPlaneWork``: post an in-place SUM of ``tensor`` over the current
+  membership of this rank's replicate group; a spare's contribution is zeros (the tensor is
+  zeroed before the post: the orchestrator's snapshot, the rewind source, is taken before).
+* ``DataPlaneWork.wait() -> ReplicaResult``: ``ok`` (the tensor holds the sum), or
+  ``reduce_failed`` (the tensor's content is undefined: the orchestrator rewinds it). It never
+  raises for a peer's failure and never waits past a bound the plane can name.
+* ``membership_changed()``: the agreed membership (or epoch) moved; later posts go to a group
+  over the new members. Called on every member at the same point (after a repair, after a join).
+* ``is_async``: posts return before the data moved (the orchestrator posts every bucket of a
+  pass, then waits); False for the ulfm plane, whose result is known at the post.
+* ``close()``: end of the job (never on the critical path of a recovery).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class DataPlaneError(RuntimeError):
+    """A data plane cannot be used in this job (e.g. no launcher-hosted store): one line that
+    names ``parallel.replicate_data_plane``."""
+
+
+class DataPlaneWork(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> Any: ...
+
+
+class DoneWork:
+    """A work whose result is known at the post (the ulfm plane, a quiesced or 1-member call)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any):
+        self.result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self.result
+
+
+class DataPlane(Protocol):
+    name: str
+    is_async: bool
+
+    def allreduce(self, tensor) -> DataPlaneWork: ...
+
+    def membership_changed(self) -> None: ...
+
+    def close(self) -> None: ...
