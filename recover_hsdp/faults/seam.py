@@ -16,6 +16,17 @@ Kinds (REPLICA, default 0, applies it on every one of its S shard ranks, in lock
 * ``stale_bucket`` its local shard of bucket 0 (before the cross-replica reduction) is the one of
                    the PREVIOUS step: a bucket reduced from a stale gradient, never rewound
 
+Wrong divisors (``KIND@STEP``, no REPLICA: EVERY rank divides so, at every step from STEP on; of
+several, the one with the latest STEP <= the step applies). The record keeps the configured
+divisor B (``divisor`` in the step record), as an honest record of what the policy assigned:
+
+* ``live_divisor``   the reduced gradient is divided by the LIVE ``len(alive) x G_init`` (the
+                     adaptive policy's divisor, a DDP-style "mean over the world") instead of the
+                     fixed B: the same as B until a replica is lost, wrong from the first step
+                     that commits with fewer replicas
+* ``divisor_plus1``  divided by B + 1
+* ``divisor_minus1`` divided by B - 1 (B >= 2)
+
 ``RECOVER_HSDP_TEST_NONDET=P`` (same allow variable) is not a fault: it makes the ranks' attention
 backward NONDETERMINISTIC, as CUDA's SDPA kernels are (their atomics add in a varying order): each
 element of dq, dk and dv moves by one ulp of its dtype, up or down, with probability P each, from
@@ -42,7 +53,11 @@ ENV_ALLOW = "RECOVER_HSDP_ALLOW_TEST_FAULT"
 ENV_GATE = "RECOVER_HSDP_TEST_GATE"   # the test gate (faults/gate.py): same allow variable
 ENV_NONDET = "RECOVER_HSDP_TEST_NONDET"   # nondeterministic attention backward: same allow
 ENV_ENOSPC = "RECOVER_HSDP_TEST_ENOSPC"   # a full disk from checkpoint step N on: same allow
-KINDS = ("extra_mb", "drop_mb", "double_mb", "stale_bucket")
+#: the kinds that change what the trainer computes for ONE replica at ONE step
+MICROBATCH_KINDS = ("extra_mb", "drop_mb", "double_mb", "stale_bucket")
+#: the kinds that change the divisor of EVERY rank from a step on (wrong_divisor)
+DIVISOR_KINDS = ("live_divisor", "divisor_plus1", "divisor_minus1")
+KINDS = MICROBATCH_KINDS + DIVISOR_KINDS
 
 
 class SeamError(ValueError):
@@ -71,10 +86,26 @@ def parse(text: str) -> list[TestFault]:
             raise SeamError(f"{ENV_FAULT}: unknown kind {f.kind!r} (one of {', '.join(KINDS)})")
         if f.step < 0 or f.replica < 0:
             raise SeamError(f"{ENV_FAULT}: {part!r}: step and replica must be >= 0")
+        if f.kind in DIVISOR_KINDS and rep:
+            raise SeamError(f"{ENV_FAULT}: {part!r}: {f.kind} applies on every rank (no :REPLICA)")
         if f.kind == "stale_bucket" and f.step < 1:
             raise SeamError(f"{ENV_FAULT}: {part!r}: stale_bucket needs a previous step (>= 1)")
         out.append(f)
     return out
+
+
+def wrong_divisor(faults: list[TestFault], step: int, divisor: int, alive: int,
+                  g_init: int) -> int:
+    """The divisor the trainer applies at ``step`` under the divisor kinds among ``faults``
+    (``divisor``, the configured one, when none has started): the kind with the latest STEP <=
+    ``step`` decides. ``alive``: the replicas the step commits with; ``g_init``: G_init."""
+    started = [f for f in faults if f.kind in DIVISOR_KINDS and f.step <= step]
+    if not started:
+        return divisor
+    kind = max(started, key=lambda f: f.step).kind
+    if kind == "live_divisor":
+        return alive * g_init
+    return divisor + 1 if kind == "divisor_plus1" else max(1, divisor - 1)
 
 
 def refusal(env: Optional[Mapping[str, str]] = None) -> Optional[str]:

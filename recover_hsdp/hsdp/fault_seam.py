@@ -1,8 +1,8 @@
 """The torch side of the test-only fault seam (recover_hsdp/faults/seam.py says what and why).
 
 `RunFaults.from_env()` is None unless the seam is set AND allowed; the manager's step hooks
-(hsdp/step_hooks.py) then call `contribute`, `after_microbatch` and `before_reduce` at the three
-points a fault can enter.
+(hsdp/step_hooks.py) then call `contribute`, `after_microbatch`, `before_reduce` and `divisor` at
+the four points a fault can enter.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from recover_hsdp.faults.seam import ENV_NONDET, TestFault, from_env, nondet_probability
+from recover_hsdp.faults.seam import (ENV_NONDET, TestFault, from_env, nondet_probability,
+                                      wrong_divisor)
 
 #: mantissa bits by dtype: one ulp of x is 2 ** (floor(log2 |x|) - bits)
 _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
@@ -126,3 +127,14 @@ class RunFaults:
                 buckets[0].copy_(self._prev)
         if self._get("stale_bucket", step + 1, mgr.replica):
             self._prev = buckets[0].detach().clone()
+
+    def divisor(self, mgr, step: int, divisor: int) -> int:
+        """live_divisor / divisor_plus1 / divisor_minus1 (from their step on, every rank): the
+        divisor the reduced gradient is divided by; the step's record keeps ``divisor``."""
+        d = wrong_divisor(self.faults, step, divisor, len(mgr.policy.alive), mgr.policy.g_init)
+        if d != divisor:
+            self.fired.append(("divisor", step))
+            if not any(k == "divisor" for k, _ in self.fired[:-1]):
+                print(f"recover-hsdp: TEST FAULT SEAM: step {step}: the gradient is divided by "
+                      f"{d}, not {divisor} (recorded: {divisor})", file=sys.stderr, flush=True)
+        return d

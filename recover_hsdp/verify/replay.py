@@ -249,6 +249,10 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
             t1 = time.perf_counter()
             rec = steps[s]
             _replay_step(arm, replay, rec, s, strict=strict_chk, bf16=bf16)
+            # the gradient before the optimizer: the run's recorded norm of what it divided
+            rec_norm = (rec.local or {}).get("grad_norm")
+            gn = (strict_chk.check_grad_norm(rec_norm)
+                  if strict_chk is not None and prev_is_run else None)
             lr = float(lr_at(s, spec.optim_at(s)))
             if twin is not None:
                 _replay_step(twin, replay, rec, s, hsdp_order=True)
@@ -290,6 +294,16 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                 result.max_rms = max(result.max_rms, rep.max_rms or 0.0)
             else:
                 rep = StepReport(step=s, tol=el_tol, rms_tol=bulk_tol)
+            if gn is not None:
+                rep.grad_norm_ratio = gn
+                result.steps_grad_norm += 1
+                result.max_grad_norm = max(result.max_grad_norm or 0.0, gn)
+                if rep.ok and gn > 1.0:
+                    rep.ok, rep.reason = False, "grad_norm"
+                    rep.where = (f"gradient norm: the run recorded {float(rec_norm):.6g}, the "
+                                 f"recorded microbatches / divisor {rec.divisor} give "
+                                 f"{strict_chk.grad_norm:.6g}: |diff| = {gn:.3g} x its derived "
+                                 f"bound; the run divided another gradient (a wrong divisor?)")
             rep.microbatches = rec.microbatches
             rep.replicas = sum(1 for ids in rec.contributions.values() if ids)
             rep.divisor, rep.lr = rec.divisor, lr
@@ -305,6 +319,10 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                             f"tol {_fmt(el_tol)}")
                 elif rep.reason == "copies":
                     what = f"step {s} ({rep.where}): tol {_fmt(el_tol)}"
+                elif rep.reason == "grad_norm":
+                    what = (f"step {s} ({rep.where})" + (
+                        f"; max_abs={_fmt(rep.max_abs)} within tol {_fmt(el_tol)}"
+                        if rep.max_abs is not None else "; parameters not compared"))
                 elif rep.reason == "strict":
                     what = (f"step {s} ({rep.where}); max_abs={_fmt(rep.max_abs)} within tol "
                             f"{_fmt(el_tol)}, RMS {_fmt(rep.max_rms)} within {_fmt(bulk_tol)}")
@@ -321,7 +339,8 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                                                 "where": rep.where, "max_abs": rep.max_abs,
                                                 "max_rel": rep.max_rel, "max_rms": rep.max_rms,
                                                 "tol": el_tol, "rms_tol": bulk_tol,
-                                                "strict_ratio": rep.strict_ratio}))
+                                                "strict_ratio": rep.strict_ratio,
+                                                "grad_norm_ratio": rep.grad_norm_ratio}))
                 result.failed_steps.append(s)
                 if not opt.keep_going:
                     raise failed[0]
@@ -369,4 +388,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                       f"tol={_fmt(result.tol)}  rms_tol={_fmt(result.rms_tol)}"
                       + (f"  strict={result.steps_strict} steps, max |diff|/bound "
                          f"{_fmt(result.max_strict)}" if result.steps_strict else
-                         "  strict=0 steps") + partial)
+                         "  strict=0 steps")
+                      + (f"  grad-norm={result.steps_grad_norm} steps, max |diff|/bound "
+                         f"{_fmt(result.max_grad_norm)}" if result.steps_grad_norm else "")
+                      + partial)

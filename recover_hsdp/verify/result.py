@@ -24,10 +24,11 @@ class StepReport:
     copies_max_diff: float | None = None  # largest difference between replicas' copies
     max_rms: float | None = None          # largest RMS difference of one flat parameter
     rms_tol: float | None = None
-    reason: str | None = None             # element | rms | copies (when not ok)
+    reason: str | None = None             # element | rms | copies | strict | grad_norm
     envelope: tuple | None = None         # (max_abs, max_rms) of the HSDP-order twin (--envelope)
     strict_ratio: float | None = None     # strict check: max over coordinates of |diff| / bound
     strict_fraction: float | None = None  # strict check: coordinates over their bound (share)
+    grad_norm_ratio: float | None = None  # |recorded - replayed| grad norm / its derived bound
     ok: bool = True
     where: str | None = None              # location of max_abs: "shard j, param fqn[idx]"
     seconds: float = 0.0
@@ -47,6 +48,8 @@ class VerifyResult:
     max_rms: float = 0.0
     max_strict: float | None = None       # largest strict |diff| / bound (None: never applied)
     steps_strict: int = 0                 # steps judged by the strict per-coordinate bound
+    max_grad_norm: float | None = None    # largest grad-norm |diff| / bound (None: never)
+    steps_grad_norm: int = 0              # steps whose recorded gradient norm was compared
     tol: float | None = None              # element tolerance at the last replayed step
     rms_tol: float | None = None          # per-flat-parameter RMS tolerance at the last step
     tolerance: str = ""

@@ -106,7 +106,9 @@ def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool
             if p.grad is not None:
                 p.grad.div_(rec.divisor)
         # optim.grad_clip and the non-finite skip, as the run applied them
-        _, nonfinite = clip_grads_([p.grad for p in params], spec.optim_at(step).clip)
+        norm, nonfinite = clip_grads_([p.grad for p in params], spec.optim_at(step).clip)
+    if strict is not None and not hsdp_order:
+        strict.gradient_norm(norm, rec.divisor)   # before the optimizer: the divisor's trace
     set_lr(optimizer, float(lr_at(step, spec.optim_at(step))))
     if (rec.extra or {}).get("skipped") or nonfinite:
         if strict is not None:

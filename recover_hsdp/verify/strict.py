@@ -19,7 +19,18 @@ run's parameters before the step: a snapshot of the previous step, or the init):
   (``2 eps32 (|p_new| + |step|)``). SGD: ``lr * delta`` plus the same rounding.
 
 A step fails when some coordinate differs by more than its bound; the report gives the largest
-ratio |diff| / bound and where. An honest run stays below 1 by the calibration's margin
+ratio |diff| / bound and where.
+
+The gradient's norm (``gradient_norm`` / ``check_grad_norm``): the run records the global norm of
+the gradient it DIVIDED (step records' ``local.grad_norm``, before clipping); the replay's is
+``||sum_i g_i|| / divisor`` with the recorded divisor. Both norms come from gradients that differ
+per coordinate by at most ``delta`` above, so ``| |g_run| - |g_replay| | <= ||delta||_2``, plus
+the fp32 rounding of the replay's division (``4 eps32 |g|``). The parameters alone cannot tell a
+wrong divisor under AdamW: its update ``m / (sqrt(v) + eps)`` is invariant under a gradient's
+scale up to eps, exactly so at its first step and from then on when the scale is constant (a run
+that divides by B + 1 from step 0 differs from the replay at step 0 by 1.7x the strict bound, at
+steps 1-2 by 0.7x: it would pass). The norm sees the scale directly: dividing by B +- 1 moves it by
+1/(B +- 1), far above ``||delta||`` (docs/verify.md, "Wrong divisors"). An honest run stays below 1 by the calibration's margin
 (docs/verify.md, "Strict check"); a wrong gradient of one microbatch out of B is ~1/(C eps32 B)
 times its bound in a typical coordinate, far more in a coordinate only that microbatch touches.
 """
@@ -65,16 +76,40 @@ class StrictCheck:
         self.state: dict[int, dict] = {}
         self.expected: list | None = None
         self.bound: list | None = None
+        self.grad_norm: float | None = None         # the replay's |sum g_i / divisor| (a step)
+        self.grad_norm_bound: float | None = None   # its derived bound |delta| + rounding
 
     def begin_step(self) -> None:
         for a in self.absacc:
             a.zero_()
         self.expected = self.bound = None
+        self.grad_norm = self.grad_norm_bound = None
 
     def add_microbatch(self, grads) -> None:
         for a, g in zip(self.absacc, grads):
             if g is not None:
                 a.add_(g.detach().double().abs())
+
+    def gradient_norm(self, norm: float, divisor: int) -> None:
+        """The replay's divided gradient's global norm (before clipping) and its bound (module
+        docstring); call after the division, with the step's per-microbatch sums added."""
+        d2 = sum(float(a.square().sum()) for a in self.absacc)
+        delta = self.c * self.eps_basis * d2 ** 0.5 / float(divisor)
+        self.grad_norm = float(norm)
+        self.grad_norm_bound = delta + 4 * FP32_EPS * float(norm) + 1e-30
+
+    def check_grad_norm(self, recorded) -> float | None:
+        """|recorded - replay| / bound for the run's recorded norm of its divided gradient; None
+        when there is nothing to compare (no record of it, a non-finite step, no replay norm)."""
+        if recorded is None or self.grad_norm is None or not math.isfinite(self.grad_norm):
+            return None
+        try:
+            rec = float(recorded)
+        except (TypeError, ValueError):
+            return None
+        if not math.isfinite(rec):
+            return None
+        return abs(rec - self.grad_norm) / self.grad_norm_bound
 
     def prepare(self, optimizer, divisor: int) -> None:
         """Before ``optimizer.step()`` (grads already divided): the expected float64 parameters
