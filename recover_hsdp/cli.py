@@ -21,10 +21,37 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: recover-hsdp <command> [args...]", "", "commands:"]
+    lines = ["usage: recover-hsdp [-h|--help] [-V|--version] <command> [args...]", "",
+             "commands:"]
     for name, (_, doc) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<8} {doc}")
+        lines.append(f"  {name:<9} {doc}")
+    lines += ["", "`recover-hsdp <command> --help`: a command's options (it runs nothing)."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("recover_hsdp")
+    except PackageNotFoundError:
+        from recover_hsdp import __version__
+
+        return __version__
+
+
+def command_paths() -> list[tuple[str, ...]]:
+    """Every command line the console script dispatches, as word tuples: each subcommand, and
+    for a subcommand whose module exposes ``subcommands() -> list[str]`` (bench, tokenizer,
+    corpus) each of its own (``("bench", "stack")``). Imports every subcommand's module."""
+    paths: list[tuple[str, ...]] = []
+    for name, (module_name, _) in SUBCOMMANDS.items():
+        paths.append((name,))
+        subs = getattr(importlib.import_module(module_name), "subcommands", None)
+        paths += [(name, sub) for sub in (subs() if subs else ())]
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +89,15 @@ def _fast_exit(rc: int) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:                # a usage error: the usage on stderr, exit 2
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"recover-hsdp {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"recover-hsdp: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

@@ -35,14 +35,39 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
+def subcommands() -> list[str]:
+    """What `recover-hsdp bench` dispatches: ``all`` and every benchmark (recover_hsdp.cli)."""
+    return ["all", *available()]
+
+
+def _usage(names: list[str]) -> str:
+    return ("usage: recover-hsdp bench {all|" + "|".join(names) + "} [args...]\n\n"
+            "  all      every benchmark except " + ", ".join(EXPERIMENTS) + " (run those by "
+            "name), each with its defaults\n  NAME     one benchmark; `recover-hsdp bench NAME "
+            "--help` lists its options\n\nEach prints a table and writes its JSON (see its "
+            "--out); exit 0 on success, 2 on bad arguments.")
+
+
 def main(argv: list[str]) -> int:
     names = available()
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: recover-hsdp bench {all|" + "|".join(names) + "} [args...]   "
-              "(all = every one except " + ", ".join(EXPERIMENTS) + ", run by name)")
-        return 0 if argv else 2
+    if not argv:                # a usage error: on stderr, exit 2
+        print(_usage(names), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(_usage(names))
+        return 0
     name, rest = argv[0], argv[1:]
     if name == "all":
+        if rest in (["-h"], ["--help"]):
+            print("usage: recover-hsdp bench all\n\nRuns every benchmark but "
+                  + ", ".join(EXPERIMENTS) + " with its defaults, one after the other: "
+                  + ", ".join(n for n in names if n not in EXPERIMENTS)
+                  + ". Takes no arguments; run one benchmark by name to pass it options.")
+            return 0
+        if rest:
+            print(f"recover-hsdp bench all: takes no arguments (got {' '.join(rest)!r}); run "
+                  f"one benchmark by name to pass it options", file=sys.stderr)
+            return 2
         rc = 0
         print("bench all: the micro-benchmarks; run by name: "
               + ", ".join(f"recover-hsdp bench {n}" for n in EXPERIMENTS), flush=True)

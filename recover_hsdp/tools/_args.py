@@ -13,3 +13,9 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # one line, no usage dump
         raise UsageError(message)
+
+
+def subparser_names(parser: argparse.ArgumentParser) -> list[str]:
+    """The names of ``parser``'s subcommands (its add_subparsers choices), in their order."""
+    return [name for action in parser._actions
+            if isinstance(action, argparse._SubParsersAction) for name in action.choices]

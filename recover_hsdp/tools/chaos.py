@@ -350,29 +350,61 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="recover-hsdp chaos", description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--shard-size", default="1",
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; the overrides (a positional) have none."""
+
+    def _get_help_string(self, action):
+        return super()._get_help_string(action) if action.option_strings else action.help
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="recover-hsdp chaos", description=__doc__.split("\n")[0],
+        epilog="Each run is a `recover-hsdp train` job in OUT/runNNNN (its log OUT/runNNNN.log); "
+               "results go to OUT/results.jsonl and the summary to OUT/report.txt. Exit code: 0 "
+               "every run passed, 1 a run failed, 2 bad arguments (nothing was started). The "
+               "module's docstring (recover_hsdp/tools/chaos.py) says what a pass means.",
+        formatter_class=_HelpFormatter)
+    ap.add_argument("--runs", type=int, default=10, metavar="N",
+                    help="training runs in the soak, one after the other")
+    ap.add_argument("--steps", type=int, default=60, metavar="N",
+                    help="run.steps of each run (the faults fire before its last step)")
+    ap.add_argument("--replicas", type=int, default=3, metavar="W",
+                    help="parallel.replicas of each run (>= 2: one replica always survives)")
+    ap.add_argument("--shard-size", default="1", metavar="S[,S...]",
                     help="shard size, or a comma list to draw from per run (e.g. 1,2)")
-    ap.add_argument("--grad-accum", type=int, default=2)
-    ap.add_argument("--faults", type=int, default=2, help="at most this many per run (< W)")
-    ap.add_argument("--kinds", default="kill,stop,raise,wedge")
-    ap.add_argument("--standby", type=int, default=0,
+    ap.add_argument("--grad-accum", type=int, default=2, metavar="G",
+                    help="parallel.grad_accum of each run")
+    ap.add_argument("--faults", type=int, default=2, metavar="N",
+                    help="at most this many faulted replicas per run (< W; drawn 1..N)")
+    ap.add_argument("--kinds", default="kill,stop,raise,wedge", metavar="K[,K...]",
+                    help=f"fault kinds to draw from, a comma list of {','.join(KINDS)} "
+                         f"(SIGKILL, SIGSTOP, SIGUSR1 -> a Python error, SIGUSR2 -> a wedge)")
+    ap.add_argument("--standby", type=int, default=0, metavar="K",
                     help="hot standbys per run (parallel.standby; docs/rejoin.md): faults also "
                          "land on them and on joins")
-    ap.add_argument("--hang-timeout", type=float, default=5.0)
-    ap.add_argument("--heartbeat", type=float, default=1.0)
-    ap.add_argument("--progress-floor", type=float, default=10.0,
+    ap.add_argument("--hang-timeout", type=float, default=5.0, metavar="SECONDS",
+                    help="watchdog.hang_timeout_s: a rank whose heartbeat is older than this is "
+                         "judged hung (how a stop is detected)")
+    ap.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
+                    help="watchdog.heartbeat_s: the ranks' heartbeat period")
+    ap.add_argument("--progress-floor", type=float, default=10.0, metavar="SECONDS",
                     help="watchdog.progress_floor_s: the floor of the progress bound that judges a "
                          "wedge (auto: max(floor, 3 x the median step))")
-    ap.add_argument("--run-timeout", type=float, default=900.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/chaos")
-    ap.add_argument("overrides", nargs="*", help="extra `recover-hsdp train` overrides")
-    args = ap.parse_args(argv)
+    ap.add_argument("--run-timeout", type=float, default=900.0, metavar="SECONDS",
+                    help="wall-clock bound of one run; a run that reaches it is a hang (FAILED)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the draws (victims, kinds, moments, shard sizes)")
+    ap.add_argument("--out", default="runs/chaos", metavar="DIR",
+                    help="output folder: one run directory and log per run, results.jsonl, "
+                         "report.txt")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="extra `recover-hsdp train` overrides, applied to every run")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
     try:
         args.shard_size = [int(x) for x in str(args.shard_size).split(",") if x]

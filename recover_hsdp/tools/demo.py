@@ -19,12 +19,44 @@ DEFAULTS = ["parallel.replicas=4", "parallel.shard_size=1", "parallel.grad_accum
             "optim.warmup_steps=5"]
 
 
+def _error(msg: str) -> None:
+    print(f"recover-hsdp demo: error: {msg}", file=sys.stderr, flush=True)
+
+
+def usage() -> str:
+    import textwrap
+
+    return "\n".join([
+        "usage: recover-hsdp demo [--dry-run] [--print-config] [KEY=VALUE|GROUP=OPTION ...]", "",
+        __doc__.split("\n\n", 1)[1].strip(), "",
+        textwrap.fill("defaults (each can be overridden): " + " ".join(DEFAULTS), 96,
+                      subsequent_indent="  "),
+        "  --dry-run, --print-config  as `recover-hsdp train`: print; start and verify nothing",
+        "The keys and groups: `recover-hsdp train --help` (all keys: docs/cli.md).",
+        "Exit codes: train's; after a committed run, verify's; 1 if the loss did not go down."])
+
+
 def main(argv: list[str]) -> int:
     from recover_hsdp import train
+
+    overrides = DEFAULTS + list(argv)
+    try:
+        flags = train.parse_args(overrides)
+    except train.UsageError as e:
+        _error(f"{e} (see `recover-hsdp demo --help`)")
+        return train.EXIT_CONFIG
+    if flags.help:
+        print(usage())
+        return train.EXIT_OK
+    if flags.multirun or flags.worker is not None:
+        _error("demo runs one job: sweeps (-m) and --worker are `recover-hsdp train`'s")
+        return train.EXIT_CONFIG
+    if flags.dry_run or flags.print_config:     # train prints the job and starts nothing
+        return train.main(overrides)
+
     from recover_hsdp.record import read_run
     from recover_hsdp.tools import verify
 
-    overrides = DEFAULTS + list(argv)
     out = next((o.split("=", 1)[1] for o in reversed(overrides)
                 if o.startswith("run.output_dir=")), "runs/demo")
     print("== recover-hsdp demo: train " + " ".join(overrides), flush=True)

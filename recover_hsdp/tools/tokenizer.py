@@ -16,26 +16,40 @@ import argparse
 import sys
 import time
 
-from recover_hsdp.data.tokenizer import Tokenizer, train_tokenizer
+from recover_hsdp.tools._args import subparser_names
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recover-hsdp tokenizer", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model from text files")
-    t.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="text files: .jsonl (see --text-field) or plain text, optionally .gz/.xz")
+    t.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                   help="pieces in the model (the model's vocab_size)")
     t.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.model")
-    t.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
+    t.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"),
+                   help="sentencepiece model type (default: bpe)")
     t.add_argument("--text-field", default="text", help="JSON field of .jsonl inputs")
     t.add_argument("--max-lines", type=int, default=None, help="train on the first N lines only")
-    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--threads", type=int, default=2, help="trainer threads (default: 2)")
     e = sub.add_parser("encode", help="encode a text and show the round trip")
-    e.add_argument("text")
+    e.add_argument("text", help="the text to encode")
     e.add_argument("--model", default=None, help="default: the embedded tokenizer")
     i = sub.add_parser("info", help="vocab size, special ids, sha256")
     i.add_argument("--model", default=None, help="default: the embedded tokenizer")
-    args = p.parse_args(argv)
+    return p
+
+
+def subcommands() -> list[str]:
+    """What `recover-hsdp tokenizer` dispatches (recover_hsdp.cli.command_paths)."""
+    return subparser_names(_parser())
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    # imported past the parse: `--help` and a usage error do not pay for torch
+    from recover_hsdp.data.tokenizer import Tokenizer, train_tokenizer
 
     if args.cmd == "train":
         t0 = time.perf_counter()
