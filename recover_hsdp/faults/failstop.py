@@ -286,7 +286,8 @@ def install_hooks() -> None:
 # ---------------------------------------------------------------------------------------------
 #: where a main thread blocked in a collective waits: on its peers, not on itself
 _PEER_WAITS = (f"{os.sep}torch{os.sep}distributed{os.sep}",
-               f"{os.sep}recover_hsdp{os.sep}collectives{os.sep}")
+               f"{os.sep}recover_hsdp{os.sep}collectives{os.sep}",
+               f"{os.sep}recover_hsdp{os.sep}hsdp{os.sep}dataplane{os.sep}")
 
 
 def main_waits_on_peers() -> bool:
@@ -298,6 +299,12 @@ def main_waits_on_peers() -> bool:
         f = sys._current_frames().get(threading.main_thread().ident)
     except Exception:  # noqa: BLE001 - the heartbeat must keep beating
         return False
+    # an async data plane waits in threading's Event.wait, called from hsdp/dataplane: look
+    # through the threading frames to their caller
+    for _ in range(4):
+        if f is None or not f.f_code.co_filename.endswith(f"{os.sep}threading.py"):
+            break
+        f = f.f_back
     return f is not None and any(w in f.f_code.co_filename for w in _PEER_WAITS)
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 FORWARD = "forward"                # main loop, before the forward of microbatch m
 BACKWARD = "backward"              # main loop, after the forward of microbatch m, before its backward
 REDUCE = "reduce"                  # first cross-replica reduction pass, before bucket b's all-reduce
+REDUCE_INFLIGHT = "reduce_inflight"  # first pass, right after bucket b's all-reduce was posted: on
+#                                    an async data plane (gloo, nccl) buckets 0..b are in flight;
+#                                    on ulfm (synchronous) bucket b is reduced, b+1 not posted
 GATE = "gate"                      # before the replica-consistency gate (barrier on shard_pg)
 CONSENSUS = "consensus"            # before the cross-replica ULFM consensus
 CLOSURE = "closure"                # in the consensus closure, right after a world round that
@@ -25,14 +28,14 @@ JOIN = "join"                      # between steps, a standby's join (parallel.s
 #                                    received it (step = the step the join precedes)
 
 LOCATIONS: tuple[str, ...] = (
-    FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, CLOSURE, AGREED, REBUILD, RE_REDUCE, EXTENSION,
+    FORWARD, BACKWARD, REDUCE, REDUCE_INFLIGHT, GATE, CONSENSUS, CLOSURE, AGREED, REBUILD, RE_REDUCE, EXTENSION,
     PRE_STEP, OPTIMIZER_STEP, JOIN,
 )
 
 #: locations indexed by a microbatch (``microbatch`` field / argument)
 MICROBATCH_LOCATIONS: frozenset[str] = frozenset({FORWARD, BACKWARD, EXTENSION})
 #: locations indexed by a gradient bucket (``bucket`` field / argument)
-BUCKET_LOCATIONS: frozenset[str] = frozenset({REDUCE, RE_REDUCE})
+BUCKET_LOCATIONS: frozenset[str] = frozenset({REDUCE, REDUCE_INFLIGHT, RE_REDUCE})
 #: locations that every step reaches (microbatch < G_init, bucket < n_buckets)
 ALWAYS_REACHED: frozenset[str] = frozenset(
     {FORWARD, BACKWARD, REDUCE, GATE, CONSENSUS, AGREED, PRE_STEP, OPTIMIZER_STEP})
@@ -41,6 +44,9 @@ CONDITIONAL: frozenset[str] = frozenset({CLOSURE, REBUILD, RE_REDUCE, EXTENSION,
 #: kill points inside the recovery protocol itself; not in the default random weights,
 #: so random schedules drawn before they existed stay the same
 RECOVERY: frozenset[str] = frozenset({CLOSURE, AGREED, REBUILD})
+#: kill points of the async data planes (docs/dataplane.md); like RECOVERY, not in the default
+#: random weights (random schedules drawn before they existed stay the same)
+DATA_PLANE: frozenset[str] = frozenset({REDUCE_INFLIGHT})
 
 _ORDER = {loc: i for i, loc in enumerate(LOCATIONS)}
 

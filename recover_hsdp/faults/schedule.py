@@ -22,6 +22,7 @@ import yaml
 from recover_hsdp.faults.locations import (
     ALWAYS_REACHED,
     BUCKET_LOCATIONS,
+    DATA_PLANE,
     LOCATIONS,
     MICROBATCH_LOCATIONS,
     RECOVERY,
@@ -287,7 +288,8 @@ def load_schedule(path: str | os.PathLike) -> FailureSchedule:
 
 # -- generation -----------------------------------------------------------------------------
 DEFAULT_WEIGHTS: dict[str, float] = {loc: 1.0 for loc in LOCATIONS
-                                     if loc in ALWAYS_REACHED and loc not in RECOVERY}
+                                     if loc in ALWAYS_REACHED and loc not in RECOVERY
+                                     and loc not in DATA_PLANE}
 
 
 def _weights(location_weights: Mapping[str, float] | None) -> tuple[list[str], list[float]]:

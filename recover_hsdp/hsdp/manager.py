@@ -73,9 +73,7 @@ class HSDPULFMTrainingManager:
     None or 0: off. A step whose reduced gradient holds NaN/inf (on any rank) is committed without
     an optimizer update (metrics.skipped; its microbatches are consumed); more than
     max_skipped_steps such steps in a row raise optim.NonFiniteGradError on every rank.
-    replicate_data_plane: how the bucket sums cross replicas (docs/dataplane.md): "ulfm" (the
-    default: blocking MPI on the ULFM groups), "gloo" or "nccl" (asynchronous, every bucket of a
-    pass in flight at once, under the ULFM control plane; they need the launcher-hosted store).
+    replicate_data_plane: "ulfm" (default), "gloo" or "nccl" (async; docs/dataplane.md).
     """
 
     def __init__(self, model: nn.Module, *, optimizer_factory: Callable[[nn.Module], Any],

@@ -92,6 +92,12 @@ class StepHooks:
         if self.seam is not None:
             self.seam.before_reduce(self.mgr, step, buckets)
 
+    def reduce_posted(self, step: int, tensor: torch.Tensor) -> None:
+        """Bucket b's reduction was just posted (first pass only): ``reduce_inflight``."""
+        if not self.failure_handled:
+            self.injector.check("reduce_inflight", step,
+                                bucket=self._bucket_index.get(tensor.data_ptr(), 0))
+
     def reduce(self, step: int, tensor: torch.Tensor) -> None:
         """One bucket's cross-replica reduction: ``reduce`` on the first pass, ``re_reduce``
         on any after a handled failure (blocking re-reduces, the extension pass)."""
@@ -152,8 +158,11 @@ class HookedGroup:
         return self._g.allreduce(tensor)
 
     def allreduce_async(self, tensor: torch.Tensor):
-        self._hooks.reduce(self._step(), tensor)
-        return self._g.allreduce_async(tensor)
+        step = self._step()
+        self._hooks.reduce(step, tensor)
+        work = self._g.allreduce_async(tensor)
+        self._hooks.reduce_posted(step, tensor)
+        return work
 
     def consensus(self):
         self._before()
