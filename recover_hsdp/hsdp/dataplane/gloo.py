@@ -78,6 +78,8 @@ class _Generation:
 class GlooPlane:
     name = "gloo"
     is_async = True
+    #: reduce a staging copy (gloo cannot abort: an abandoned op may still write its buffer)
+    stages = True
 
     def __init__(self, cross, *, timeout_s: Optional[float] = None,
                  poll_s: float = DEFAULT_POLL_S, log: Optional[Callable[[str], None]] = None,
@@ -95,7 +97,7 @@ class GlooPlane:
             prefix, timeout_s=self.timeout_s, needed_by=needed))
         if make_store is None:
             topology.store_client(needed_by=needed)   # refuse now, in one line, not in a thread
-        self._make_pg = make_pg or self._gloo_pg
+        self._make_pg = make_pg or self._new_pg
         self._control = control or self._poll_world
         self._gen: Optional[_Generation] = None
         self.parked: list[_Generation] = []      # abandoned generations: never destroyed here
@@ -131,7 +133,7 @@ class GlooPlane:
             gen.ready.set()
 
     @staticmethod
-    def _gloo_pg(store, rank: int, size: int, timeout_s: float):
+    def _new_pg(store, rank: int, size: int, timeout_s: float):
         import torch.distributed as dist
 
         return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
@@ -155,11 +157,16 @@ class GlooPlane:
                 return "timeout"
         return None
 
+    def _give_up(self, gen: _Generation) -> None:
+        """Stop a broken generation's ops: gloo cannot (``abort()`` is a no-op), so it is only
+        set aside (membership_changed parks it)."""
+
     def _abandon(self, gen: _Generation, why: str) -> None:
         if not gen.broken:
             gen.broken = True
             self.stats["abandoned"] += 1
             self.log(f"data plane {self.name}: in-flight reductions abandoned ({why})")
+            self._give_up(gen)
 
     def _suspect(self, gen: _Generation, why: str) -> None:
         """A failure the data plane saw first: to the control plane (revoke), never a crash."""
@@ -168,6 +175,7 @@ class GlooPlane:
             self.stats["suspected"] += 1
             self.log(f"data plane {self.name}: suspected failure ({why}); revoking the "
                      "control plane so that every member repairs")
+            self._give_up(gen)
             self.cross.world.revoke()
 
     def _failed(self) -> DoneWork:
@@ -196,8 +204,10 @@ class GlooPlane:
         if gen.error is not None:
             self._suspect(gen, f"group build failed: {_first_line(gen.error)}")
             return self._failed()
-        buf = gen.buffer_for(tensor)
-        buf.copy_(tensor)
+        buf = tensor
+        if self.stages:
+            buf = gen.buffer_for(tensor)
+            buf.copy_(tensor)
         try:
             work = gen.pg.allreduce([buf])
         except RuntimeError as e:
@@ -242,7 +252,8 @@ class _GlooWork:
                 plane._suspect(gen, f"allreduce failed: {_first_line(e)}")
             else:
                 if not gen.broken:
-                    self.tensor.copy_(self.buf)
+                    if self.buf is not self.tensor:
+                        self.tensor.copy_(self.buf)
                     self._res = DoneWork(plane.cross.result(ok=True))
                     return self._res.result
         self._res = plane._failed()
