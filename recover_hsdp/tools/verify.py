@@ -97,14 +97,18 @@ def _fmt(x: float | None) -> str:
 def _step_line(rep) -> str:
     head = (f"step {rep.step}: {rep.microbatches} mb from {rep.replicas} replicas / "
             f"{rep.divisor}  lr={rep.lr:.3g}")
+    gnorm = ("" if rep.grad_norm_ratio is None
+             else f"  grad_norm={_fmt(rep.grad_norm_ratio)}")   # |diff| / bound (strict.py)
     if not rep.compared:
-        return f"{head}  replayed ({rep.seconds:.2f}s)"
+        if rep.ok:
+            return f"{head}  replayed{gnorm} ({rep.seconds:.2f}s)"
+        return f"{head}  replayed{gnorm}  FAIL ({rep.seconds:.2f}s)"
     copies = (f"  copies={rep.copies}" + (f" (agree {_fmt(rep.copies_max_diff)})"
                                           if rep.copies_max_diff is not None else ""))
     strict = "" if rep.strict_ratio is None else f"  strict={_fmt(rep.strict_ratio)}"
     return (f"{head}  max_abs={_fmt(rep.max_abs)}  max_rel={_fmt(rep.max_rel)}  "
             f"rms={_fmt(rep.max_rms)}  tol={_fmt(rep.tol)}  rms_tol={_fmt(rep.rms_tol)}"
-            f"{strict}{copies}  "
+            f"{strict}{gnorm}{copies}  "
             f"{'ok' if rep.ok else 'FAIL'} ({rep.seconds:.2f}s)")
 
 
