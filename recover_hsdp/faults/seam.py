@@ -1,11 +1,12 @@
-"""The verifier's real-process fault seam: make a running trainer commit ONE wrong step.
+"""The verifier's real-process fault seam: make a running trainer commit wrong steps.
 
 TEST ONLY, off by default. ``RECOVER_HSDP_TEST_FAULT="KIND@STEP[:REPLICA]"`` (comma-separated for
 several) is honoured by the manager only when ``RECOVER_HSDP_ALLOW_TEST_FAULT=1`` is set too;
 `recover-hsdp train` refuses the first without the second (one line, exit 2), and a rank that
 sees the first without the second refuses to start. The record is NOT told: it lists exactly
-what the policy assigned, so only the parameters betray the fault (`recover-hsdp verify` must
-reject the run at STEP; tests/e2e/test_verify_seam.py, docs/verify.md "Real processes").
+what the policy assigned, so only the replay betrays the fault (`recover-hsdp verify` must
+reject the run at STEP; tests/e2e/test_verify_seam.py, tests/e2e/test_verify_divisor.py,
+docs/verify.md "Real processes").
 
 Kinds (REPLICA, default 0, applies it on every one of its S shard ranks, in lockstep):
 

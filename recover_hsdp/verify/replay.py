@@ -15,7 +15,9 @@
    id: ``loss = next_token_loss(model(x), y, S*mbs*seq_len); loss.backward()``; grads /=
    divisor; ``set_lr(lr_at(step))``; ``optimizer.step()``. If the run saved parameters for the
    step: every shard j, every replica's copy, is compared with ``flat_shard_from_full(model,
-   layout, j, S, pad_value=PARAM_PADDING_VALUE)``; padding included.
+   layout, j, S, pad_value=PARAM_PADDING_VALUE)``; padding included. With the strict check, the
+   run's recorded norm of its divided gradient (``local.grad_norm``) must match the replay's
+   (verify/strict.py: a wrong divisor that AdamW's parameters hide).
 
 The first step whose difference exceeds the tolerance (``tolerance.Tolerance``) fails the run.
 """

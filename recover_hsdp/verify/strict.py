@@ -19,7 +19,9 @@ run's parameters before the step: a snapshot of the previous step, or the init):
   (``2 eps32 (|p_new| + |step|)``). SGD: ``lr * delta`` plus the same rounding.
 
 A step fails when some coordinate differs by more than its bound; the report gives the largest
-ratio |diff| / bound and where.
+ratio |diff| / bound and where. An honest run stays below 1 by the calibration's margin
+(docs/verify.md, "Strict check"); a wrong gradient of one microbatch out of B is ~1/(C eps32 B)
+times its bound in a typical coordinate, far more in a coordinate only that microbatch touches.
 
 The gradient's norm (``gradient_norm`` / ``check_grad_norm``): the run records the global norm of
 the gradient it DIVIDED (step records' ``local.grad_norm``, before clipping); the replay's is
@@ -30,9 +32,8 @@ wrong divisor under AdamW: its update ``m / (sqrt(v) + eps)`` is invariant under
 scale up to eps, exactly so at its first step and from then on when the scale is constant (a run
 that divides by B + 1 from step 0 differs from the replay at step 0 by 1.7x the strict bound, at
 steps 1-2 by 0.7x: it would pass). The norm sees the scale directly: dividing by B +- 1 moves it by
-1/(B +- 1), far above ``||delta||`` (docs/verify.md, "Wrong divisors"). An honest run stays below 1 by the calibration's margin
-(docs/verify.md, "Strict check"); a wrong gradient of one microbatch out of B is ~1/(C eps32 B)
-times its bound in a typical coordinate, far more in a coordinate only that microbatch touches.
+1/(B +- 1): ~1e3 x ``||delta||`` at B = 4 (docs/verify.md, "Wrong divisors"); the margin
+shrinks as 1/B (``||delta|| / |g|`` ~ 1e-4 x ``||sum_i |g_i||| / |sum_i g_i|``).
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def test_sgd_three_wrong_divisors_after_a_loss_each_rejected_at_its_step(tmp_pat
     run_dir = _run(tmp_path, steps=5, optim={"name": "sgd", "lr": 0.1},
                    faults="divisor_plus1@2,divisor_minus1@3,live_divisor@4",
                    kills=[K(1, 1, "reduce", bucket=0)])
-    assert read_run(run_dir).steps[4].alive == [0]                   # live W x G = 2 at step 4, not B = 4
+    assert read_run(run_dir).steps[4].alive == [0]     # live W x G = 2 at step 4, not B = 4
     _check(run_dir, 2, 5, sgd=True)
 
 
