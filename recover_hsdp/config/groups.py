@@ -75,6 +75,7 @@ class ParallelConfig:
     mixed_precision: str = "auto"  # auto (bf16 compute on CUDA, fp32 on CPU) | bf16 | fp32
     standby: int = 0               # hot-standby replicas launched idle (docs/rejoin.md)
     replicate_data_plane: str = "ulfm"   # cross-replica bytes: ulfm | gloo | nccl (docs/dataplane.md)
+    overlap: bool = False          # post each bucket's reduction inside the last backward (async planes)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
@@ -84,6 +85,12 @@ class ParallelConfig:
         if self.replicate_data_plane not in ("ulfm", "gloo", "nccl"):
             raise TrainConfigError(f"parallel.replicate_data_plane({self.replicate_data_plane!r})"
                                    " must be ulfm, gloo or nccl")
+        if not isinstance(self.overlap, bool):
+            raise TrainConfigError(f"parallel.overlap({self.overlap!r}) must be true or false")
+        if self.overlap and self.replicate_data_plane == "ulfm":
+            raise TrainConfigError("parallel.overlap=true needs an async replicate data plane: "
+                                   "parallel.replicate_data_plane=gloo (CPU) or nccl (GPU), got "
+                                   "ulfm (blocking)")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
                                    f"auto, bf16 or fp32")

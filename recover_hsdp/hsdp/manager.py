@@ -4,8 +4,8 @@ The only component that touches the module and the optimizer. One `train_step()`
 COMMITTED iteration:
 
     microbatch loop (FSDP HYBRID_SHARD; shard-group collectives only, no cross-replica traffic)
-      -> reduction pass: snapshot each accumulated grad shard (epoch-tagged), reduce it on its
-         ULFM replicate group (deferred: after the loop, never inside backward)
+      -> reduction pass: snapshot each grad shard (epoch-tagged), reduce it on the data plane
+         (deferred after the loop; parallel.overlap: posted from inside the last backward)
       -> consensus: replica-consistency gate + one agreed failure view over all S groups
       -> SKIP: divide by the FIXED divisor (B = W_init x G_init), optimizer step, record, commit
          BLOCKING: rewind stale buckets, re-reduce under the new membership, consensus again
@@ -29,6 +29,7 @@ import torch.nn as nn
 from recover_hsdp.faults import FailureInjector, failstop, replica_lost_exit, startup
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
+from recover_hsdp.hsdp.overlap import Overlap
 from recover_hsdp.hsdp.step_hooks import HookedGroup, StepHooks
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
                                  StaticWorldPolicy, contrib_total, elect)
@@ -73,7 +74,8 @@ class HSDPULFMTrainingManager:
     None or 0: off. A step whose reduced gradient holds NaN/inf (on any rank) is committed without
     an optimizer update (metrics.skipped; its microbatches are consumed); more than
     max_skipped_steps such steps in a row raise optim.NonFiniteGradError on every rank.
-    replicate_data_plane: "ulfm" (default), "gloo" or "nccl" (async; docs/dataplane.md).
+    replicate_data_plane: "ulfm" (default), "gloo" or "nccl" (async; docs/dataplane.md);
+    overlap: post each bucket's reduction inside the last backward (async planes; hsdp/overlap.py).
     """
 
     def __init__(self, model: nn.Module, *, optimizer_factory: Callable[[nn.Module], Any],
@@ -90,7 +92,7 @@ class HSDPULFMTrainingManager:
                  mixed_precision: Any = "auto",
                  grad_clip: Optional[float] = None,
                  max_skipped_steps: int = 3, standby: int = 0,
-                 replicate_data_plane: str = "ulfm"):
+                 replicate_data_plane: str = "ulfm", overlap: bool = False):
         fh.check_torch_version()
         from recover_hsdp.hsdp.topology import limit_core_dumps
 
@@ -163,6 +165,7 @@ class HSDPULFMTrainingManager:
         self.failures_survived = 0
         self._tokens_per_mb: Optional[int] = None
         self.orch = None if self.is_standby else self._make_orchestrator()
+        self.overlap = Overlap(self, overlap)   # parallel.overlap (hsdp/overlap.py)
         from recover_hsdp.faults.gate import Gate
         from recover_hsdp.hsdp.fault_seam import RunFaults, install_nondeterminism
 
@@ -264,8 +267,7 @@ class HSDPULFMTrainingManager:
         replica_lost_exit(f"rank {self.rank} (replica {self.replica}): shard group failed: "
                           f"{str(exc).splitlines()[0][:200]}")
 
-    def local_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """This shard rank's rows [j*mbs, (j+1)*mbs) of a replica's whole microbatch."""
+    def local_rows(self, x: torch.Tensor) -> torch.Tensor:   # rows [j*mbs, (j+1)*mbs)
         mbs = x.shape[0] // self.S
         return x[self.shard_index * mbs:(self.shard_index + 1) * mbs]
 
@@ -324,11 +326,10 @@ class HSDPULFMTrainingManager:
         return self._commit(step, divisor, grad_norm, skipped, t0)
 
     def _microbatch(self, step: int, m: int, base: int, loss_sum):
-        """Forward + backward of microbatch m of the pass under FSDP (shard group only): its
-        gradient shard adds into the buckets when the policy keeps it. Returns the kept loss
-        sum (on the device, in float64: no host sync per microbatch, one per pass)."""
+        """Forward + backward of microbatch m of the pass (shard group only); its shard adds
+        into the buckets when kept. -> the kept loss sum (device, float64: no host sync)."""
         hooks, ext = self.hooks, m >= base
-        self.orch.wait_restore_before_backward()
+        self.orch.wait_restore_before_backward()   # an extension pass's rewound buckets
         mb_id = self.data.microbatch_id(self.replica, m)
         keep = self.policy.keeps(self.replica, m)
         hooks.before_microbatch(step, m, base)
@@ -343,7 +344,9 @@ class HSDPULFMTrainingManager:
             return loss
 
         try:
-            loss = self.acc.microbatch(closure, contribute=hooks.contribute(step, m, keep))
+            c = hooks.contribute(step, m, keep)
+            with self.overlap.microbatch(m, c):   # last backward: post final shards (overlap)
+                loss = self.acc.microbatch(closure, contribute=c)
             hooks.after_microbatch(step, m, keep, mb_id)
         except RuntimeError as e:
             if fh.shard_group_failure_kind(e) is None:
@@ -354,8 +357,7 @@ class HSDPULFMTrainingManager:
         return loss_sum + loss.to(torch.float64) if keep else loss_sum
 
     def _reduce(self, step: int, loss_sum) -> list[torch.Tensor]:
-        """The deferred cross-replica reduction, after the loop (never inside backward): each
-        bucket is snapshotted (the rewind source) and all-reduced on its replicate group."""
+        """The cross-replica reduction after the loop (overlap: what the last backward left)."""
         self.cross.set_loss_sum(float(loss_sum))
         buckets = self._buckets = fh.grad_shards(self.module)
         self.hooks.before_reduce(step, buckets)
@@ -365,8 +367,7 @@ class HSDPULFMTrainingManager:
         return buckets
 
     def _consensus(self, step: int) -> Verdict:
-        """Replica-consistency gate + one agreed failure view over the S replicate groups:
-        COMMIT, or EXTEND (a boundary: rewound buckets, the survivors' extra microbatches)."""
+        """Gate + one agreed failure view over the S replicate groups: COMMIT or EXTEND."""
         self.hooks.before_consensus(step)
         verdict = self.orch.consensus()
         self.hooks.after_consensus()

@@ -121,6 +121,11 @@ class StepTxnOrchestrator(FailureHandling):
         self._last_data_bucket: Optional[int] = None  # last bucket whose reduce moved data / failed
         self._in_iteration = False
         self._committable = False          # consensus() returned COMMIT in this iteration
+        self._early: Optional[dict] = None  # overlap: bucket -> work posted inside the backward
+        self._order: Optional[list] = None  # overlap: the pass's posting order (every rank's)
+        #: the order in which a pass posts its buckets (None: index order). Set by an overlapping
+        #: caller on EVERY rank: collectives pair up by order, whoever posted some early
+        self.post_order: Optional[list] = None
         self._vote = torch.zeros(max(1, int(group.size)), dtype=torch.float32)
 
     # ---- public state --------------------------------------------------------------------------
@@ -164,6 +169,7 @@ class StepTxnOrchestrator(FailureHandling):
             b.reductions = []
         self.iteration_log = IterationLog()
         self._committable = False
+        self._early = self._order = None
         if getattr(self.group, "quiesced", False):
             self.group.set_quiesce(False)
         self._push_roles()
@@ -199,13 +205,39 @@ class StepTxnOrchestrator(FailureHandling):
                 raise RecoveryProtocolError(
                     f"enqueue_bucket: bucket {i} changed from {tuple(old.shape)}/{old.dtype} to "
                     f"{tuple(tensor.shape)}/{tensor.dtype} within one iteration")
+        early = self._early is not None and i in self._early
+        if early and self.store[i].tensor.data_ptr() != tensor.data_ptr():
+            raise RecoveryProtocolError(f"enqueue_bucket: bucket {i} was posted early from "
+                                        "another tensor")
         b = self.store.bind(i, tensor)
-        if self._n_buckets is None:
+        if self._n_buckets is None and not early:
             b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
             b.reductions = []
         self._enqueued += 1
         self._queue.append(i)
         return i
+
+    def begin_early_posts(self, order: list[int]) -> None:
+        """Overlap (parallel.overlap): the pass's last microbatch is about to run backward;
+        its final shards will be posted from inside it (post_early) in ``order``, the SAME order
+        on every rank (a rank that posts none early posts them all at fire, in that order). Only
+        once every bucket has been bound (from the second iteration of this orchestrator on)."""
+        self._require_iteration("begin_early_posts")
+        self.rewinder.wait()
+        if len(self.store) < len(order):
+            raise RecoveryProtocolError("begin_early_posts before every bucket was bound once")
+        self._begin_pass()
+        self._early, self._order = {}, list(order)
+
+    def post_early(self, i: int, tensor: torch.Tensor) -> None:
+        """Overlap: bucket i is final (its unit's last post-backward): snapshot it and post
+        its reduction now; fire_deferred_allreduces waits for it."""
+        b = self.store.bind(i, tensor)
+        if self._n_buckets is None:
+            b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
+            b.reductions = []
+        work = self._post_bucket(i)
+        self._early[i] = work if work is not None else _Done(None)
 
     def fire_deferred_allreduces(self) -> None:
         """Drain the deferred queue: snapshot each bucket, then reduce it on the group."""
@@ -222,15 +254,17 @@ class StepTxnOrchestrator(FailureHandling):
         self._computed = self.policy.steps()
         self.group.set_contributed(self.policy.kept_before(self.replica, self._computed))
         self._extension = False
-        self._begin_pass()
+        early, order, self._early, self._order = self._early, self._order, None, None
+        if early is None:
+            self._begin_pass()
         queue, self._queue, self._enqueued = self._queue, [], 0
         # every bucket posted, then waited in order: on an async data plane (gloo, nccl) the
         # sums move together; on the ulfm plane each result is known at its post and handled
         # before the next post (a repair in Detect quiesces the rest of the pass)
         pending = []
-        for i in queue:
-            work = self._post_bucket(i)
-            if work is None:
+        for i in (order or self.post_order or queue):
+            work = early.pop(i) if early and i in early else self._post_bucket(i)
+            if work is None or (isinstance(work, _Done) and work.result is None):
                 continue
             if work.done() and not pending:
                 self._complete_bucket(i, work)

@@ -114,6 +114,8 @@ def run_worker(cfg: Any) -> int:
                  "bucket_epochs": mgr.orch.bucket_epochs()}
         if mt.grad_norm is not None and math.isfinite(mt.grad_norm):
             local["grad_norm"] = mt.grad_norm
+        if mgr.overlap.enabled:   # buckets posted from inside a backward so far (overlap)
+            local["posted_early"] = mgr.overlap.posted_early
         recorder.commit(StepRecord(
             step=mt.step, loss=mt.loss if math.isfinite(mt.loss) else None, tokens=mt.tokens,
             alive=mt.alive, layout=mt.layout,

@@ -39,20 +39,43 @@ pytestmark = [pytest.mark.mpi]
 PLANE = "gloo"
 
 
-def _gloo(cfg: dict) -> dict:
+def _gloo(cfg: dict, overlap: bool = False) -> dict:
     cfg["parallel"]["replicate_data_plane"] = PLANE
+    cfg["parallel"]["overlap"] = overlap
     return cfg
 
 
+def _posted_early(run_dir: Path) -> int:
+    """The most buckets any rank posted from inside a backward (its last step record)."""
+    recs = [json.loads(ln) for f in (run_dir / "steps").glob("rank*.jsonl")
+            for ln in f.read_text().splitlines()]
+    return max(int(r["local"].get("posted_early", 0)) for r in recs)
+
+
+#: the kill-table rows also run with overlap (rank 0, case (b), S = 2, the extension, a spare's
+#: blocking promotion and a death in the re-reduce): buckets posted from inside the backward
+OVERLAP_ROWS = ("W4S1-forward-gate-consensus-down-to-one", "W4S1-rank0-backward-prestep-optstep",
+                "W4S1-spare-promotion-blocking",
+                "W6S2-rank1-reduce-gate-rank0-backward-consensus",
+                "W5S2-kill-in-extension-then-pre-step")
+
+
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kill_table_on_gloo(tmp_path, case):
+@pytest.mark.parametrize("case,overlap",
+                         [(c, False) for c in CASES]
+                         + [(c, True) for c in CASES if c[0] in OVERLAP_ROWS],
+                         ids=[c[0] for c in CASES]
+                         + [c[0] + "-overlap" for c in CASES if c[0] in OVERLAP_ROWS])
+def test_kill_table_on_gloo(tmp_path, case, overlap):
     name, W, S, G, schedule, policy = case[:6]
     steps = _steps(case)
-    cfg = _gloo(_cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, policy=policy, steps=steps))
+    cfg = _gloo(_cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, policy=policy, steps=steps),
+                overlap)
     out = run_training(cfg, timeout=current_deadline().left())
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
+    if overlap:    # it did overlap: buckets were posted from inside a backward
+        assert _posted_early(run_dir) > 0
     _check_run(run_dir, W, S, G, schedule, policy, steps)
     _check_path(run_dir, name)         # the same recovery path as on ulfm, step by step
     for step in range(steps):
@@ -68,15 +91,17 @@ def _step_times(run_dir: Path, rank: int) -> dict[int, float]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("S", [1, 2])
-def test_kills_inside_in_flight_gloo_allreduces(tmp_path, S):
-    """W=6, G=1 (B=6): replicas 5, 4, 3, 2, 1 die one per step with buckets 0..1 of the first
-    pass posted and in flight; every step commits, verify OK; each kill is committed (the
-    survivor's step record written) within a bound far below the plane's timeout."""
+@pytest.mark.parametrize("S,overlap", [(1, False), (2, True)], ids=["S1", "S2-overlap"])
+def test_kills_inside_in_flight_gloo_allreduces(tmp_path, S, overlap):
+    """W=6, G=1 (B=6): replicas 5, 4, 3, 2, 1 die one per step with buckets posted and in
+    flight (deferred: buckets 0..1 of the pass; overlap: inside the last backward, every bucket
+    but 0, the root, which is not final yet); every step commits, verify OK; each kill is
+    committed (the survivor's step record written) within a bound far below the plane's
+    timeout."""
     W, steps, timeout_s = 6, 7, 30
-    sched = [K(1 + i, W - 1 - i, "reduce_inflight", local_rank=i % S, bucket=1)
-             for i in range(5)]
-    cfg = _gloo(_cfg(tmp_path, W=W, S=S, G=1, schedule=sched, steps=steps))
+    sched = [K(1 + i, W - 1 - i, "reduce" if overlap else "reduce_inflight", local_rank=i % S,
+               bucket=0 if overlap else 1) for i in range(5)]
+    cfg = _gloo(_cfg(tmp_path, W=W, S=S, G=1, schedule=sched, steps=steps), overlap)
     cfg["watchdog"]["shard_timeout_s"] = timeout_s
     out = run_training(cfg, timeout=current_deadline().left())
     run_dir = Path(cfg["run"]["output_dir"])
@@ -89,8 +114,10 @@ def test_kills_inside_in_flight_gloo_allreduces(tmp_path, S):
         fired = json.loads((run_dir / "faults" / f"fired.rank{g}.json").read_text())
         lat.append(times[e["step"]] - fired["time"])
     lat.sort()
-    print(f"kill inside in-flight gloo allreduce -> commit (S={S}): median {lat[2]:.3f} s, "
-          f"max {lat[-1]:.3f} s, n=5")
+    print(f"kill inside in-flight gloo allreduce -> commit (S={S}, overlap={overlap}): median "
+          f"{lat[2]:.3f} s, max {lat[-1]:.3f} s, n=5")
+    if overlap:
+        assert _posted_early(run_dir) > 0
     # waited out, a bucket would take the plane's timeout; abandoned, a fraction of it
     assert lat[-1] < timeout_s / 3, lat
     rec = read_run(run_dir)
