@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   the main job (creates .venv on first use)
 #   make test   the test suite, multi-process failure tests included (creates .venv on first use)
+#   make test-quick  the quick tier (-m quick): fast unit tests, the C++ backend under mpirun,
+#               one kill-and-verify run per feature (tests/unit/test_quick_tier.py)
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
@@ -10,7 +12,7 @@ EXT_STAMP := $(VENV)/.ext-built
 CSRC := $(wildcard csrc/*.cpp csrc/*.hpp csrc/*.h)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: venv build test test-unit test-mpi demo bench clean
+.PHONY: venv build test test-quick test-unit test-mpi demo bench clean
 
 $(STAMP): pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 2; }
@@ -31,6 +33,9 @@ build: $(EXT_STAMP)
 
 test: build
 	$(PY) -m pytest -q -ra --durations=50 tests
+
+test-quick: build
+	$(PY) -m pytest -q -ra --durations=15 -m quick tests
 
 test-unit: build
 	$(PY) -m pytest -q -ra tests/unit

@@ -211,6 +211,7 @@ def test_mate_that_does_not_notice_its_replica_died_is_reaped(tmp_path):
 
 
 # ~50 s: the default progress floor (30 s) is most of it
+@pytest.mark.quick
 @pytest.mark.timeout(240)
 def test_cli_default_settings_catch_a_wedged_rank(tmp_path):
     """A scheduled `wedge` (the main thread blocked forever, the heartbeat thread beating on: a

@@ -204,6 +204,8 @@ def _verify(run_dir: Path) -> int:
         return int(verify.main([str(run_dir)]) or 0)
 
 
+@pytest.mark.quick_params("W4S1-spare-promotion-blocking",
+                          "W4S1-forward-gate-consensus-down-to-one")
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kill_table(tmp_path, case):

@@ -101,6 +101,7 @@ def test_rejoin_relaunches_a_lost_replica_at_full_width_then_goes_on_degraded(tm
     assert rec.steps[6].alive == [1, 2] and rec.steps[6].layout["g"] == 3
 
 
+@pytest.mark.quick
 def test_standby_first_then_the_relaunch(tmp_path):
     rec, starts, text = _train_and_check(tmp_path, 7, _kills((2, 1), (4, 2)),
                                          "parallel.standby=1", "checkpoint.interval=2")

@@ -54,6 +54,7 @@ def test_two_ranks_default_shape(tmp_path, deadline):
     assert v.returncode == 0, v.stdout[-4000:] + v.stderr[-4000:]
 
 
+@pytest.mark.quick
 def test_four_ranks_hsdp_with_a_kill_from_a_schedule_file(tmp_path, deadline):
     """4 processes (2 replicas x 2 shards); replica 1's second rank is SIGKILLed in step 1's
     backward: the run still commits every step with one replica, and verify passes."""

@@ -13,6 +13,7 @@ def _ok(rec: dict) -> bool:
     return rec["ok"] and rec["failed_ranks"] == [] and not rec["reduce_failed"]
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(150)
 def test_basic_ops_dtypes_pg_paths_and_errors():
     run = run_mpi(4, SCEN, ["basic"], timeout=140)

@@ -202,6 +202,7 @@ def test_roles_spare_killed_promotions_and_boundary():
     assert s[3]["check"]["value"] == 2.0  # world rank 1 (value 2) + the spare's zeros
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(150)
 def test_asymmetric_outcome_becomes_one_verdict():
     run = launch(4, "asymmetric", {"fails": 1, "victim": 3}, timeout=140)
@@ -226,6 +227,7 @@ def test_asymmetric_outcome_becomes_one_verdict():
         assert r["final"]["ok"]
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(150)
 def test_subgroups_2_of_4():
     """Replicate groups {0,2} and {1,3}: a death in one leaves the other untouched, and the

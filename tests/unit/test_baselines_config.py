@@ -5,6 +5,8 @@ import pytest
 
 from recover_hsdp.train import EXIT_CONFIG, EXIT_OK, main
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _run(capsys, *overrides):
     rc = main(["--dry-run", *overrides])

@@ -8,6 +8,8 @@ import pytest
 
 from recover_hsdp import bench
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_all_skips_the_experiments(monkeypatch, capsys):
     ran = []

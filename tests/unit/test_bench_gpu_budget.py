@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from recover_hsdp.bench import gpu
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _bench(tmp_path, budget_s):
     b = gpu.Bench(gpu.parse_args(["--cpu", "--quick", "--steps", "4", "--out", str(tmp_path),

@@ -11,6 +11,10 @@ from pathlib import Path
 from recover_hsdp.bench import harness as H
 from tests._wait import Deadline, until, wait_dead
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _gone(pid: int) -> bool:
     try:

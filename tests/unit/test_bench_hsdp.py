@@ -9,6 +9,8 @@ from recover_hsdp import bench
 from recover_hsdp.bench import harness as H
 from recover_hsdp.bench import hsdp as bh
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_registered_with_bench():
     assert "hsdp" in bench.available()

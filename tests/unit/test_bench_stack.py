@@ -9,6 +9,8 @@ from recover_hsdp.bench import stack as bs
 from recover_hsdp.bench import stack_analysis as sa
 from recover_hsdp.bench import stack_attribution as sat
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_registered_with_bench():
     assert "stack" in bench.available()

@@ -12,6 +12,10 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 TESTS = Path(__file__).resolve().parents[1]
 DEFAULT_S = 300.0
 #: files another change rewrites (their chained launches move to a test gate)

@@ -10,6 +10,8 @@ import pytest
 
 from recover_hsdp.tools import chaos
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 @pytest.mark.parametrize("W,K,faults", [(3, 0, 2), (3, 1, 3), (2, 2, 3), (3, 2, 4)])
 def test_victims_leave_a_replica_alive(W, K, faults):

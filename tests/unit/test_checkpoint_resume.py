@@ -16,6 +16,8 @@ from recover_hsdp.record.checkpoint import (COMPLETE, assign_slices, assign_stre
                                             latest_complete, tmp_path, truncate_steps)
 from recover_hsdp.record.io import RecordError
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

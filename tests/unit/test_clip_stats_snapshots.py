@@ -12,6 +12,8 @@ import torch
 from recover_hsdp.optim import (NonFiniteGradError, OptimConfig, OptimConfigError, clip_coef,
                                 clip_grads_, grad_sq_norm)
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 # --- optim ------------------------------------------------------------------------------------
 def test_clip_coef_matches_torch_and_is_one_when_off():

@@ -22,6 +22,8 @@ from recover_hsdp.collectives.errors import (
 )
 from recover_hsdp.types import FailureRecord, Role, RoleCensus
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 REPO = Path(__file__).resolve().parents[2]
 BUILT = bool(list((REPO / "recover_hsdp").glob("_C*.so")))
 # Not a skip: a missing extension must FAIL these tests (make test builds it first).

@@ -23,6 +23,8 @@ from recover_hsdp.config import (
     validate,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5)
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 CLI_MD = ROOT / "docs" / "cli.md"

@@ -10,6 +10,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 PKG = Path(__file__).resolve().parents[2] / "recover_hsdp"
 
 #: key -> the files allowed to name it: the dataclass, the hand-off, the manager (at most 3)

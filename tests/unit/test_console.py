@@ -7,6 +7,10 @@ import threading
 
 from recover_hsdp.faults import console
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _pipe():
     r, w = os.pipe()

@@ -18,6 +18,8 @@ import torch
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
 from recover_hsdp.policy import contrib_total, elect
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 class Dead(BaseException):
     """Raised in a rank's thread when it dies (scheduled, or leaving because its replica died)."""

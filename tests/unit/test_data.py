@@ -22,6 +22,8 @@ from recover_hsdp.data import (DataConfig, MicrobatchSource,
                                open_local_dataset)
 from recover_hsdp.tools.corpus import read_corpus
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 REPO = Path(__file__).resolve().parents[2]
 L, MBS, W = 16, 2, 4
 

@@ -8,6 +8,8 @@ import pytest
 from recover_hsdp.data.config import DataConfig, DataConfigError, check_model_data
 from recover_hsdp.model import LLAMA_DEBUG
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 

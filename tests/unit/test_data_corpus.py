@@ -10,6 +10,10 @@ from pathlib import Path
 from recover_hsdp.data.documents import EMBEDDED_CORPUS
 from recover_hsdp.tools import corpus
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 EMBEDDED = Path(EMBEDDED_CORPUS)
 
 

@@ -12,6 +12,8 @@ from recover_hsdp.hsdp.cross_replica import ReplicaResult
 from recover_hsdp.hsdp.dataplane import PLANES, DataPlaneError, make_data_plane
 from recover_hsdp.types import Role
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 class FakeWorld:
     def __init__(self):

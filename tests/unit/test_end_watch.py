@@ -8,6 +8,10 @@ import sys
 
 from recover_hsdp.launcher.startup import EndWatch
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _hb(d, g, pid, *, host=None, done=False, t=1000.0):
     import socket

@@ -24,6 +24,8 @@ from recover_hsdp.faults import failstop as fs
 from recover_hsdp.launcher import judge
 from recover_hsdp.launcher.startup import StartupWatch
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # a rank on "node b": errors/ unwritable only in its view, no /dev/shm the launcher shares; two

@@ -20,6 +20,8 @@ from recover_hsdp.launcher import judge
 from recover_hsdp.launcher.watchdog import HangWatchdog
 from tests._wait import until
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -8,6 +8,8 @@ import torch
 from recover_hsdp.faults import seam
 from recover_hsdp.record.params import snapshot_every
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_off_by_default_and_parsed():
     assert seam.from_env({}) == []

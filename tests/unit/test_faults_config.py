@@ -8,6 +8,8 @@ import yaml
 
 from recover_hsdp.faults import FailureSchedule, FailuresConfig, ScheduleError
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 CONF = Path(__file__).resolve().parents[2] / "conf" / "failures"
 SPEC = dict(replicas=4, shard_size=2, grad_accum=4, n_buckets=3)
 

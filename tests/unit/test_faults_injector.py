@@ -13,6 +13,8 @@ from tests import _procs
 
 from recover_hsdp.faults import FailureInjector, FailureSchedule, replica_lost_exit
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 SCHEDULE = FailureSchedule.from_list([
     {"step": 2, "replica": 1, "local_rank": 1, "location": "reduce", "bucket": 1},
     {"step": 2, "replica": 0, "local_rank": 0, "location": "forward", "microbatch": 3},

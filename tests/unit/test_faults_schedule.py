@@ -21,6 +21,8 @@ from recover_hsdp.faults import (
     load_schedule,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def sched(*entries) -> FailureSchedule:
     return FailureSchedule.from_list(list(entries))

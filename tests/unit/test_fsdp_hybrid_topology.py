@@ -6,6 +6,8 @@ import torch
 
 from recover_hsdp.hsdp import fsdp_hybrid as fh
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_ranks_of_replicas_and_shards():
     t = fh.HybridTopology(3, 2, 5)

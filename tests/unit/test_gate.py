@@ -11,6 +11,8 @@ from recover_hsdp.faults.seam import ENV_ALLOW, ENV_GATE, refusal
 from tests._gate import TestGate
 from tests._wait import Deadline, until
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_marker_per_boundary_and_no_hold_elsewhere(tmp_path):
     t = TestGate(tmp_path, hold=[3], ranks=[0])

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):

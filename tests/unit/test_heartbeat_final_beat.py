@@ -14,6 +14,10 @@ import threading
 from recover_hsdp.faults import failstop
 from recover_hsdp.launcher import reaper
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_last_heartbeat_of_a_clean_exit_says_done(tmp_path, monkeypatch):
     hb = failstop.Heartbeat(tmp_path, 0, period_s=0.01)

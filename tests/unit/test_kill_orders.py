@@ -28,6 +28,8 @@ from recover_hsdp.launcher.startup import clear_startup_state
 from recover_hsdp.launcher.watchdog import HangWatchdog
 from tests._wait import Deadline, until, wait_dead
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import os, socket, sys, time

@@ -13,6 +13,8 @@ import pytest
 from recover_hsdp.launcher import judge, launch_cmd
 from tests._procs import current_deadline, run
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

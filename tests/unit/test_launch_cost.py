@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 from tests._procs import current_deadline, run
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

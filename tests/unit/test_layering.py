@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "recover_hsdp"
 
 #: Low to high. A module may import modules of its own unit and of units in LOWER layers only.

@@ -13,6 +13,8 @@ import pytest
 from tests._procs import ENV_TEST_ID, kill_tagged, run, tagged
 from tests._wait import Deadline, _not_running, wait_dead
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 REPO = Path(__file__).resolve().parents[2]
 
 LEAKY = textwrap.dedent('''

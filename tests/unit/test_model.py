@@ -13,6 +13,8 @@ from recover_hsdp.model import (Attention, ModelConfig, RMSNorm, RotaryEmbedding
                                 get_config, init_weights, mixed_precision,
                                 mixed_precision_policy, next_token_loss)
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 torch.set_num_threads(1)
 TINY = ModelConfig(name="tiny", vocab_size=37, d_model=24, n_layers=1, n_heads=6, n_kv_heads=2,
                    ffn_dim=40, max_seq_len=16, rope_theta=10000.0)

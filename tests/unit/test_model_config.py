@@ -7,6 +7,8 @@ import pytest
 
 from recover_hsdp.model import LLAMA_DEBUG, NAMED_CONFIGS, ConfigError, ModelConfig, get_config
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from tests import _procs
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""

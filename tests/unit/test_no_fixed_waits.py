@@ -16,6 +16,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 TESTS = Path(__file__).resolve().parents[1]
 
 #: (path under tests/, function) -> why a sleep there decides no order

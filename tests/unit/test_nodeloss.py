@@ -8,6 +8,8 @@ import pytest
 from recover_hsdp.launcher.nodeloss import (hostfile_in, lost_node, parse_hostfile,
                                           plan_after_node_loss, relaunch_args)
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 PRTE = """--------------------------------------------------------------------------
 PRTE has lost communication with a remote daemon.
 

@@ -18,6 +18,8 @@ from recover_hsdp.optim import (
     set_lr,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"lr": 0}, r"optim.lr\(0\) must be a number > 0"),

@@ -26,6 +26,8 @@ from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMod
 from recover_hsdp.recovery import RecoveryProtocolError, StepTxnOrchestrator, Verdict
 from recover_hsdp.types import Role
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 BUCKETS = (6, 3, 5, 4)
 NUMEL = sum(BUCKETS)
 

@@ -11,6 +11,8 @@ from recover_hsdp import cli
 from recover_hsdp.policy import CountModel, Layout, StaticWorldPolicy, plan, random_plan
 from recover_hsdp.tools import plan as plan_tool
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 LAYOUT_KEYS = {"g", "major", "minor", "r", "major_spare", "minor_spare"}
 
 

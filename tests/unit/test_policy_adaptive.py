@@ -5,6 +5,10 @@ from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, Layout, Po
                                  RestoreMode)
 from recover_hsdp.types import Role
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_adaptive_shrinks_the_batch():
     pol, data = AdaptiveWorldPolicy(32, 8), DataAssignment(32)

@@ -5,6 +5,8 @@ import pytest
 
 from recover_hsdp.policy import DataAssignment, PolicyError, StaticWorldPolicy
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_slices_and_cursors():
     pol, data = StaticWorldPolicy(4, 3), DataAssignment(4)

@@ -9,6 +9,10 @@ import sys
 
 import recover_hsdp
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = pathlib.Path(recover_hsdp.__file__).parent
 POLICY_FILES = sorted((ROOT / "policy").glob("*.py"))
 PLANNER_FILES = [ROOT / "tools" / "plan.py", ROOT / "bench" / "planner.py"]

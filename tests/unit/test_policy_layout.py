@@ -10,6 +10,8 @@ from recover_hsdp.policy import (Layout, PolicyError, admitted_spares, advance_l
                                  roles_for_layout)
 from recover_hsdp.types import Role
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 M, m, MS, mS, BM = (Role.MAJOR, Role.MINOR, Role.MAJOR_SPARE, Role.MINOR_SPARE,
                     Role.BOUNDARY_MINOR)
 

@@ -20,6 +20,10 @@ from recover_hsdp.policy import (AdaptiveWorldPolicy, CountModel, DataAssignment
                                  RestoreMode, StaticWorldPolicy)
 from recover_hsdp.types import Role
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -7,6 +7,8 @@ from recover_hsdp.policy import (DataAssignment, EventMismatchError, FailureEven
                                  PolicyError, RestoreMode, StaticWorldPolicy)
 from recover_hsdp.types import FailureRecord, Role, RoleCensus
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def ids_with(pol, role):
     return [r for r in pol.alive if pol.role(r) == role]

@@ -13,6 +13,8 @@ from recover_hsdp.data import DataConfig
 from recover_hsdp.data.preflight import (InputUnavailable, check_hub, check_inputs,
                                          check_local_files, hub_address, probe)
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_local_files(tmp_path):
     ok = tmp_path / "a.jsonl"

@@ -20,6 +20,8 @@ from recover_hsdp.launcher.watchdog import HangWatchdog
 from recover_hsdp.launcher.reaper import alive
 from tests._wait import Deadline, until, wait_dead
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import os, sys, time

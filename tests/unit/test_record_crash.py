@@ -10,6 +10,10 @@ import time
 
 from recover_hsdp.record import read_run
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 WRITER = textwrap.dedent("""
     import sys
     from recover_hsdp.record import RunRecorder, StepRecord

@@ -16,6 +16,8 @@ from recover_hsdp.record import (
     param_steps,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def shard(j, step, n=4):
     return {"layers.0.w": torch.arange(n, dtype=torch.float32) + 10 * j + step,

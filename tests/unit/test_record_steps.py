@@ -22,6 +22,8 @@ from recover_hsdp.record import (
     write_run_files,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 W, S, G = 2, 2, 2  # 2 replicas x 2 shard ranks: global rank = replica * S + shard index
 
 

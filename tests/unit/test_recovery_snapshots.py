@@ -7,6 +7,8 @@ import torch
 from recover_hsdp.recovery import Content, Rewinder, SnapshotStore
 from tests import _procs
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_one_buffer_per_bucket_reused_and_snapshot_taken_once_per_content():
     store = SnapshotStore()

@@ -15,6 +15,8 @@ from recover_hsdp.policy import DataAssignment, PolicyError, StaticWorldPolicy
 from recover_hsdp.policy.standby import rejoin, vacant_slots
 from recover_hsdp.verify.expected import check_expected
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5)
 
 

@@ -14,6 +14,8 @@ from recover_hsdp.tools import report
 from tests import _procs
 from tests.unit._runs import cr_run, reference_run, resilient_run
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 approx = pytest.approx

@@ -11,6 +11,10 @@ from recover_hsdp.config import compose_config, resolve_config
 from recover_hsdp.hsdp.checkpoint import identity_of
 from recover_hsdp.launcher.resume import check_resume, resume_changes
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 CK = Path("ck/step_000004")
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from recover_hsdp.record import checkpoint as C
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _ckpt(run, step, complete=True):
     d = C.ckpt_path(run, step)

@@ -22,6 +22,8 @@ from recover_hsdp.sim.costs import CostModel, Scenario, daly_ettr, daly_interval
 from recover_hsdp.sim.engine import run_cr, run_inplace, run_stall
 from recover_hsdp.sim.failures import Failure, TraceFailures, read_trace
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = pathlib.Path(recover_hsdp.__file__).parent
 RESULTS = ROOT.parent / "docs" / "results"
 ALLOWED = ("recover_hsdp.policy", "recover_hsdp.types", "recover_hsdp.record.timeline",

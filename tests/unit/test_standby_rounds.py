@@ -19,6 +19,8 @@ from recover_hsdp.hsdp.standby import J_DONE, J_JOIN, _round
 from recover_hsdp.policy import contrib_total, elect
 from tests.unit.test_cross_replica_recovery import Dead, Fabric, Handle
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def run(W, S, K, kills, *, steps=2, join_round_at=None, G=2):
     """kills: {rank: (step, location)} (a standby's 'step' counts its rounds). join_round_at: a

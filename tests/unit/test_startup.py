@@ -21,6 +21,8 @@ from recover_hsdp.launcher.startup import StartupWatch, clear_startup_state, sta
 from recover_hsdp.launcher.startup import _cpu_ticks
 from tests._wait import Deadline, until
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

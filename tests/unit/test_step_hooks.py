@@ -10,6 +10,8 @@ import torch
 from recover_hsdp.faults import failstop
 from recover_hsdp.hsdp.step_hooks import HookedGroup, StepHooks
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 class _Injector:
     def __init__(self):

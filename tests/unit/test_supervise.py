@@ -12,6 +12,8 @@ import pytest
 
 from recover_hsdp.launcher.supervise import Watch, supervise
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 #: exits 3 on its first ``fails`` runs (with nothing written: a runtime that gave up before any
 #: rank; with ``mark``, after a rank's start marker), then 0
 FLAKY = """

@@ -32,6 +32,7 @@ def _iv(tl):
 
 # -- resilient --------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_resilient_commits_kills_processes(tmp_path, monkeypatch):
     tl = load_timeline(resilient_run(tmp_path, monkeypatch), label="R")
     assert (tl.label, tl.mode, tl.w_init, tl.processes_per_replica) == ("R", "resilient", 4, 1)
@@ -48,6 +49,7 @@ def test_resilient_commits_kills_processes(tmp_path, monkeypatch):
     assert tl.tokens == 10 * TOK and tl.steps == 10
 
 
+@pytest.mark.quick
 def test_resilient_effective_throughput(tmp_path, monkeypatch):
     tl = load_timeline(resilient_run(tmp_path, monkeypatch))
     assert _iv(tl) == [
@@ -60,6 +62,7 @@ def test_resilient_effective_throughput(tmp_path, monkeypatch):
         [(0, 2, 3), (3, 6, 4), (7, 9, 3)]
 
 
+@pytest.mark.quick
 def test_resilient_breakdown_needs_n(tmp_path, monkeypatch):
     d = resilient_run(tmp_path, monkeypatch)
     b = load_timeline(d, interval=4).breakdown
@@ -78,6 +81,7 @@ def test_resilient_breakdown_needs_n(tmp_path, monkeypatch):
     assert load_timeline(d2).breakdown[1]["normal"] == 35.0
 
 
+@pytest.mark.quick
 def test_resilient_kill_in_same_step_is_one_boundary(tmp_path, monkeypatch):
     from tests.unit._runs import _fire
     d = resilient_run(tmp_path, monkeypatch)
@@ -92,6 +96,7 @@ def test_resilient_kill_in_same_step_is_one_boundary(tmp_path, monkeypatch):
     assert len(tl.breakdown) == 3
 
 
+@pytest.mark.quick
 def test_drop_and_go_mode_from_policy(tmp_path, monkeypatch):
     d = resilient_run(tmp_path, monkeypatch, meta_extra={"policy": "adaptive"})
     assert load_timeline(d).mode == "drop_and_go"
@@ -99,6 +104,7 @@ def test_drop_and_go_mode_from_policy(tmp_path, monkeypatch):
 
 # -- reference and tokens at equal process-hours ----------------------------------------------
 
+@pytest.mark.quick
 def test_reference_and_tokens_at_equal_process_hours(tmp_path, monkeypatch):
     r = load_timeline(resilient_run(tmp_path, monkeypatch))
     ref = load_timeline(reference_run(tmp_path))
@@ -121,6 +127,7 @@ def test_reference_and_tokens_at_equal_process_hours(tmp_path, monkeypatch):
 
 # -- checkpoint-restart -----------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_cr_commits_and_intervals(tmp_path, monkeypatch):
     """Attempt 0: train_start 2000, steps 0-5 (2010..2062), save after step 3 (2040-2042), kill
     2067 (step 6), exit 2070. Attempt 1: load 2081-2084, train_start 2085, reruns 4, 5, then 6-9
@@ -144,6 +151,7 @@ def test_cr_commits_and_intervals(tmp_path, monkeypatch):
     assert tl.attempts[1]["steps"] == [4, 5, 6, 7, 8, 9]
 
 
+@pytest.mark.quick
 def test_cr_breakdown(tmp_path, monkeypatch):
     tl = load_timeline(cr_run(tmp_path, monkeypatch))
     b0, b1 = tl.breakdown
@@ -160,6 +168,7 @@ def test_cr_breakdown(tmp_path, monkeypatch):
             b1["rerun"]) == approx((2.0, 23.0, 3.0, 2.0, 15.0, 30.0))
 
 
+@pytest.mark.quick
 def test_cr_ratio_against_resilient_shape(tmp_path, monkeypatch):
     cr = load_timeline(cr_run(tmp_path, monkeypatch))
     # 600 process-seconds: CR commits step s (s<6) at 4*(10+10s); step 5 at 4*62 = 248 ps,
@@ -175,12 +184,14 @@ def test_cr_ratio_against_resilient_shape(tmp_path, monkeypatch):
     (lambda p: (p / "empty").mkdir() or p / "empty", "not a run directory"),
     (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "not a directory"),
 ])
+@pytest.mark.quick
 def test_not_a_run(tmp_path, make, match):
     with pytest.raises(RecordError, match=match) as e:
         load_timeline(make(tmp_path))
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.quick
 def test_bad_meta_and_unknown_mode(tmp_path):
     d = tmp_path / "r"
     d.mkdir()
@@ -198,6 +209,7 @@ def test_bad_meta_and_unknown_mode(tmp_path):
         load_timeline(d)
 
 
+@pytest.mark.quick
 def test_no_torch_import():
     code = ("import sys, recover_hsdp.record.timeline, recover_hsdp.tools.report; "
             "print('torch' in sys.modules)")
@@ -247,6 +259,7 @@ def test_real_resilient_run_with_one_kill(tmp_path, deadline):
     assert b["H"] == tl.commits[1].time
 
 
+@pytest.mark.quick
 def test_cr_kill_before_any_checkpoint(tmp_path, monkeypatch):
     d = cr_run(tmp_path, monkeypatch)
     for p in (d / "attempts" / "00").glob("events.rank*.jsonl"):
@@ -257,6 +270,7 @@ def test_cr_kill_before_any_checkpoint(tmp_path, monkeypatch):
     assert b0["total"] == approx(2115.0 - 2000.0)
 
 
+@pytest.mark.quick
 def test_standbys_count_as_allocated_until_lost(tmp_path, monkeypatch):
     """W=2 + 2 standbys (blocks 2, 3), S=1, steps of 10 s from 1000 (step s commits at 1010+10s):
     standby 3 lost idle in step 2 (extra.standbys_lost), replica 1 killed at 1045 (step 4), standby

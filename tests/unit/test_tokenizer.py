@@ -8,6 +8,8 @@ import pytest
 from recover_hsdp.data.tokenizer import EMBEDDED_TOKENIZER, Tokenizer, training_sentences
 from recover_hsdp.tools import tokenizer as tokenizer_cli
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 SAMPLES = [
     "To be, or not to be: that is the question:\nWhether 'tis nobler in the mind to suffer\n",
     "In the beginning God created the heaven and the earth.",

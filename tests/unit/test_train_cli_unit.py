@@ -34,6 +34,8 @@ from recover_hsdp.train import (
     worker_main,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # The cases the launcher must refuse before any process starts, as real subprocesses:

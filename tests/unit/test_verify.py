@@ -22,6 +22,8 @@ from recover_hsdp.verify.replay import verify_run
 from experiments.verify_synthetic import (Corruption, SyntheticRun, small_data_config,
                                           write_sample_corpus, write_synthetic_run)
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 W, G, S, STEPS = 4, 2, 2, 4
 FAIL = {1: [1]}
 

@@ -23,6 +23,10 @@ from recover_hsdp.policy import AdaptiveWorldPolicy, DataAssignment, StaticWorld
 from recover_hsdp.verify.expected import Event, check_expected, derive
 from recover_hsdp.verify.records import check_records
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 EXPECTED = pathlib.Path(recover_hsdp.__file__).parent / "verify" / "expected.py"
 
 

@@ -12,6 +12,10 @@ import socket
 
 from _spawn import run_workers
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -9,6 +9,8 @@ from recover_hsdp.record import StepRecord
 from recover_hsdp.verify import Tolerance, check_records
 from recover_hsdp.verify.tolerance import ulp_floor
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def steps(*contribs, divisor=4):
     return {i: StepRecord(step=i, contributions=c, divisor=divisor) for i, c in enumerate(contribs)}

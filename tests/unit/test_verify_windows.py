@@ -6,6 +6,8 @@ import pytest
 from recover_hsdp.verify import windows as wn
 from recover_hsdp.verify.windows import CHECKPOINT, SNAPSHOT, Window
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_points_snapshot_after_step_s_checkpoint_before_step_n():
     # snapshots of steps 0 and 9 (and the init, -1: not a point); checkpoints step_2, 4, 6, 10

@@ -9,6 +9,8 @@ import torch
 
 from recover_hsdp.faults import seam
 
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
 
 def test_divisor_kinds_parse_and_apply_from_their_step_on():
     env = {seam.ENV_FAULT: "divisor_plus1@2, divisor_minus1@4,live_divisor@6", seam.ENV_ALLOW: "1"}
