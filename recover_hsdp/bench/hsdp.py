@@ -24,6 +24,14 @@ nonboundary  W=4, S=1, G=1 trainer runs, each killing replica 3 at step 5 (a bou
 boundary     W=4, S=1, G=2 trainer runs killing replicas 3, 2, 1 at steps 5, 10, 15 (three
              boundaries: 4 -> 3, 3 -> 2, 2 -> 1 replicas); enough runs for ``--kills`` kills.
 Every kill is a scheduled SIGKILL at ``reduce`` bucket 1 (partly reduced gradients).
+exposed      the gloo data plane (docs/dataplane.md), deferred vs overlapped: per G in
+             --grad-accum, two failure-free trainer jobs of W x S ranks on the 8-layer model
+             (most bytes in the non-root units, so most buckets can be posted inside the last
+             backward), parallel.replicate_data_plane=gloo with parallel.overlap=false, then
+             true. Per step: ``local.reduce_exposed_s`` (end of the pass's microbatch loop ->
+             every bucket reduced at this rank), median over ranks; reported: the median over
+             the timed steps of each job and their ratio overlapped / deferred (target <= 0.5),
+             with the step's wall_s beside it and the load.
 
 Recovery of one kill, from the run record (classified by the record's own ``boundary`` flag):
   k             the step whose record lists the victim's replica among its failures
@@ -76,8 +84,12 @@ MODELS = {
     # tests/e2e/test_hsdp_kills.py::_cfg
     "tiny": {"name": "llama_debug", "d_model": 64, "n_layers": 2, "n_heads": 4,
              "n_kv_heads": 2, "ffn_dim": 160, "max_seq_len": 64, "tie_embeddings": True},
+    # the exposed phase: 8 decoder blocks, most bytes outside the root (embeddings, norm)
+    "deep": {"name": "llama_debug", "d_model": 128, "n_layers": 8, "n_heads": 4,
+             "n_kv_heads": 2, "ffn_dim": 352, "max_seq_len": 128, "tie_embeddings": True},
 }
-PHASES = ("overhead", "trainer", "nonboundary", "boundary")
+PHASES = ("overhead", "trainer", "nonboundary", "boundary", "exposed")
+EXPOSED_TARGET = 0.5
 
 
 # ------------------------------------------------------------------------------------------
@@ -258,6 +270,43 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
         rec_out[label] = summarize_kills(rs, boundary=not label.startswith("nonboundary"))
 
 
+def run_exposed(args, work: Path, result: dict) -> None:
+    """The exposed reduction on the gloo plane, deferred vs overlapped (module docstring)."""
+    from statistics import median
+
+    from recover_hsdp.record import read_run
+
+    W, S = args.replicas, args.shard_size
+    rows = []
+    for G in args.grad_accum:
+        row: dict = {"config": {"W": W, "S": S, "G": G, "model": "deep", "plane": "gloo"}}
+        for overlap in (False, True):
+            arm = "overlapped" if overlap else "deferred"
+            name = f"exposed_g{G}_{arm}"
+            run_dir = work / name / "run"
+            cfg = make_config(args, run_dir, W=W, S=S, G=G, steps=args.warmup + args.steps)
+            cfg["model"] = dict(MODELS["deep"])
+            cfg["parallel"].update(replicate_data_plane="gloo", overlap=overlap)
+            _say(f"exposed: {W}x{S} ranks, G={G}, gloo, {arm}, {args.warmup + args.steps} steps")
+            job = launch(name, "recover_hsdp.workers.resilient", cfg, work, args.timeout)
+            if not (run_dir / "summary.json").exists():
+                _failed(result, f"{name} did not finish", job)
+                break
+            rec = read_run(run_dir)
+            steps = [s for s in rec.committed if s >= max(1, args.warmup)]
+            exp = [median(v["reduce_exposed_s"] for v in rec.local[s].values()) for s in steps]
+            wall = [median(v["wall_s"] for v in rec.local[s].values()) for s in steps]
+            row[arm] = {"exposed_s": median(exp), "wall_s": median(wall), "steps": len(steps),
+                        "load": job["load"],
+                        "posted_early": max(int(v.get("posted_early", 0))
+                                            for v in rec.local[rec.committed[-1]].values())}
+        if "deferred" in row and "overlapped" in row:
+            row["ratio"] = row["overlapped"]["exposed_s"] / row["deferred"]["exposed_s"]
+            row["ratio_wall"] = row["overlapped"]["wall_s"] / row["deferred"]["wall_s"]
+        rows.append(row)
+    result["exposed"] = rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.time()
@@ -274,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         run_overhead(args, work, result, G)
                 elif phase == "trainer":
                     run_trainer(args, work, result)
+                elif phase == "exposed":
+                    run_exposed(args, work, result)
                 else:
                     run_recovery(args, work, result, phase)
         finally:
@@ -281,4 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["wall_s"] = time.time() - t0
             result["out"] = str(H.write_json(args.out, result))
     print(format_table(result), flush=True)
+    for row in result.get("exposed") or []:
+        c, d, o = row["config"], row.get("deferred"), row.get("overlapped")
+        if d and o:
+            print(f"exposed reduction (gloo, W={c['W']} S={c['S']} G={c['G']}, 8-layer model): "
+                  f"deferred {d['exposed_s'] * 1e3:.1f} ms, overlapped {o['exposed_s'] * 1e3:.1f}"
+                  f" ms, ratio {row['ratio']:.2f} (target <= {EXPOSED_TARGET}); step wall "
+                  f"{d['wall_s'] * 1e3:.0f} -> {o['wall_s'] * 1e3:.0f} ms; load {o['load']}",
+                  flush=True)
     return 1 if result["errors"] else 0

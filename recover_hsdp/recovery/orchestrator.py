@@ -80,6 +80,9 @@ class IterationLog:
     failures: list[dict] = field(default_factory=list)  # one dict per failure record
     case_b: bool = False
     passes: int = 0
+    #: per fire: seconds from the end of the pass's microbatch loop (the call) until every
+    #: bucket's reduction completed here: the reduction's EXPOSED time (overlap shrinks it)
+    exposed_s: list[float] = field(default_factory=list)
 
 
 class StepTxnOrchestrator(FailureHandling):
@@ -242,6 +245,7 @@ class StepTxnOrchestrator(FailureHandling):
     def fire_deferred_allreduces(self) -> None:
         """Drain the deferred queue: snapshot each bucket, then reduce it on the group."""
         self._require_iteration("fire_deferred_allreduces")
+        t_fire = time.perf_counter()
         self.rewinder.wait()
         if self._n_buckets is None:
             self._n_buckets = self._enqueued
@@ -272,6 +276,7 @@ class StepTxnOrchestrator(FailureHandling):
                 pending.append((i, work))
         for i, work in pending:
             self._complete_bucket(i, work)
+        self.iteration_log.exposed_s.append(time.perf_counter() - t_fire)
 
     def handle_work_completion(self, result: Any, bucket: Optional[int]) -> None:
         """The unified entry point for the outcome of a collective (algorithm 4).

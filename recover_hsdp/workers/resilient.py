@@ -116,6 +116,8 @@ def run_worker(cfg: Any) -> int:
             local["grad_norm"] = mt.grad_norm
         if mgr.overlap.enabled:   # buckets posted from inside a backward so far (overlap)
             local["posted_early"] = mgr.overlap.posted_early
+        if mgr.orch.iteration_log.exposed_s:   # end of the loop -> every bucket reduced (s)
+            local["reduce_exposed_s"] = round(mgr.orch.iteration_log.exposed_s[0], 6)
         recorder.commit(StepRecord(
             step=mt.step, loss=mt.loss if math.isfinite(mt.loss) else None, tokens=mt.tokens,
             alive=mt.alive, layout=mt.layout,

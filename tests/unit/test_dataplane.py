@@ -106,7 +106,7 @@ def _plane(cross, **kw):
     plane = make_data_plane("gloo", cross, make_store=lambda prefix: prefix, make_pg=make_pg,
                             log=logs.append, **kw)
     plane.membership_changed()
-    plane._gen.ready.wait(5)
+    assert plane._gen.ready.wait(5)
     return plane, pgs, logs
 
 
@@ -183,7 +183,7 @@ def test_a_build_that_never_ends_is_bounded():
     hold = threading.Event()
 
     def never(store, rank, size, timeout_s):
-        hold.wait(10)
+        hold.wait()
         raise RuntimeError("gave up")
 
     plane = make_data_plane("gloo", cross, make_store=lambda p: p, make_pg=never,
@@ -277,7 +277,7 @@ def test_the_nccl_plane_reduces_in_place_and_aborts_what_it_gives_up(monkeypatch
 
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "42"   # bounds every NCCL poll
     plane.membership_changed()
-    plane._gen.ready.wait(5)
+    assert plane._gen.ready.wait(5)
     t = torch.ones(3)
     w = plane.allreduce(t)
     assert w.buf is t                                # no staging copy: abort stops all writes
