@@ -131,8 +131,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         work_dir=("bench/results/peers_runs", "run directories (replaced on each invocation)"),
         plot_dir=(None, "write peers_loss.png and peers_steps.csv / peers_summary.json here",
                   str))
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override passed to OUR runs only (repeatable), e.g. "
+                        "--ours-set parallel.replicate_data_plane=gloo --ours-set "
+                        "parallel.overlap=true; the baselines' settings are unchanged")
     p.prog = PROG
     args = p.parse_args(list(argv) if argv is not None else None)
+    bad = [o for o in args.ours_set if "=" not in o or o.startswith("=")]
+    if bad:
+        p.error(f"--ours-set {bad[0]!r}: expected KEY=VALUE")
     if args.replicas < 2:
         p.error("--replicas must be >= 2")
     if args.steps < WARM_STEPS + 3:

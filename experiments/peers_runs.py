@@ -352,6 +352,7 @@ def run_ours(args, procs: Procs, run_dir: Path, kills: list[dict], deadline: flo
            f"run.time_limit_s={max(10, int(deadline - time.time()) - 5)}",
            f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup_steps}",
            "data.seed=0"] + ([f"parallel.standby={standby}"] if standby else [])
+    cmd += list(getattr(args, "ours_set", ()))   # --ours-set: overrides for our runs only
     if kills:
         sched = run_dir.parent / f"{run_dir.name}.schedule.yaml"
         import yaml

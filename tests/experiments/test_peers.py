@@ -143,3 +143,29 @@ def test_left_the_bench_registry():
     from recover_hsdp import bench
 
     assert "peers" not in bench.available() and bench.MOVED["peers"] == bp.PROG
+
+
+def test_ours_set_reaches_our_runs_only(monkeypatch, tmp_path):
+    """--ours-set KEY=VALUE goes onto OUR train command line; a malformed one is refused."""
+    from experiments import peers, peers_runs
+
+    args = peers.parse_args(["--ours-set", "parallel.replicate_data_plane=gloo",
+                             "--ours-set", "parallel.overlap=true"])
+    assert args.ours_set == ["parallel.replicate_data_plane=gloo", "parallel.overlap=true"]
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--ours-set", "novalue"])
+    seen = {}
+
+    class P:
+        pid, returncode = 1, 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    class Procs:
+        def popen(self, cmd, log, env=None):
+            seen["cmd"] = cmd
+            return P()
+
+    peers_runs.run_ours(args, Procs(), tmp_path / "ours", [], deadline=1e12)
+    assert seen["cmd"][-2:] == ["parallel.replicate_data_plane=gloo", "parallel.overlap=true"]
