@@ -14,6 +14,11 @@ Launches `mpirun --with-ft ulfm` itself (so run it from a plain shell, not under
 2. failure detection + repair: time from a rank's SIGKILL to the survivors' next successful
    all-reduce (the slowest survivor), median over --kills kills; each 4-rank job kills
    --kills-per-job ranks one after another (group sizes 4, 3, ...).
+3. the gloo data plane's abort + rebuild (docs/dataplane.md), the same kills: the survivors
+   have a 1 MB all-reduce in flight on the plane (hsdp/dataplane/gloo.py, a store served here)
+   when the victim dies; per kill (slowest survivor): kill -> the op given up (abandoned or
+   suspected), the ULFM repair (one consensus), the new generation's group built over the
+   survivors, kill -> the next successful all-reduce on it.
 
 Prints a table and writes JSON (--out, default bench/results/collectives.json), machine load
 included: on a shared machine, compare ratios measured in the same run, not absolute times.
@@ -160,12 +165,91 @@ def _worker_kill(args) -> None:
     _write({"kills": kills})
 
 
+class _PlaneCross:
+    """What GlooPlane needs of the cross-replica group, over the world group (one replica per
+    rank, one replicate group: the bench's shape)."""
+
+    def __init__(self, world):
+        self.world, self.shard_index, self.is_standby = world, 0, False
+        self.global_rank = world.global_ranks[world.rank]
+
+    @property
+    def global_ranks(self):
+        return list(self.world.global_ranks)
+
+    @property
+    def epoch(self):
+        return self.world.epoch
+
+    def my_role(self):
+        from recover_hsdp.types import Role
+
+        return Role.MAJOR
+
+    def result(self, *, ok, quiesced=False, reduce_failed=False):
+        from recover_hsdp.types import FailureRecord
+
+        return FailureRecord(ok=ok, epoch=self.epoch)
+
+    def note_unclean(self, quiesce_group=False):
+        pass
+
+
+def _worker_plane_kill(args) -> None:
+    import torch
+
+    from recover_hsdp.collectives import UlfmGroup
+    from recover_hsdp.hsdp.dataplane import make_data_plane
+
+    torch.set_num_threads(1)
+    out = Path(os.environ[OUT_ENV])
+    g = UlfmGroup.world()
+    me = _rank()
+    cross = _PlaneCross(g)
+    plane = make_data_plane("gloo", cross, timeout_s=30.0, log=lambda s: print(s, file=sys.stderr))
+    plane.membership_changed()
+    t = torch.ones((1 << 20) // 4)
+    for _ in range(3):
+        assert plane.allreduce(t).wait().ok
+    kills = []
+    for k in range(args.kills_per_job):
+        victim = g.global_ranks[-1]
+        size_before = g.size
+        assert g.consensus().ok
+        if me == victim:
+            time.sleep(0.05)  # the survivors have their all-reduce in flight by now
+            (out / f"pkill{k}.txt").write_text(str(time.monotonic_ns()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        t.fill_(1.0)
+        res = plane.allreduce(t).wait()
+        t_given_up = time.monotonic_ns()
+        assert not res.ok
+        rec = g.consensus()
+        while rec.ok:      # a revoke-only round cannot be it: the victim is dead
+            rec = g.consensus()
+        t_repaired = time.monotonic_ns()
+        plane.membership_changed()
+        plane._gen.ready.wait(30)
+        t_built = time.monotonic_ns()
+        t.fill_(1.0)
+        assert plane.allreduce(t).wait().ok and t[0].item() == g.size
+        t_ok = time.monotonic_ns()
+        t_kill = int((out / f"pkill{k}.txt").read_text())
+        kills.append({"size_before": size_before, "given_up_ms": (t_given_up - t_kill) / 1e6,
+                      "repair_ms": (t_repaired - t_given_up) / 1e6,
+                      "rebuild_ms": (t_built - t_repaired) / 1e6,
+                      "to_next_ok_ms": (t_ok - t_kill) / 1e6})
+    _write({"kills": kills})
+
+
 # ----------------------------------------------------------------------------------- parent ---
-def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=()) -> dict[int, dict]:
+def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=(),
+            export=()) -> dict[int, dict]:
     from recover_hsdp.launcher.command import mpi_env, mpirun_prefix as mpirun_command
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
     extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]
+    extra += [a for name in export for a in ("-x", name)]
     cmd = mpirun_command(nprocs, extra_args=extra) + [
         sys.executable, "-m", "recover_hsdp.bench.collectives", *worker_args]
     rc, _ = H.run_logged(cmd, out / "job.log", timeout,
@@ -233,6 +317,31 @@ def _bench_kills(args) -> dict:
             "median_detect_repair_ms": statistics.median(k["detect_repair_ms"] for k in kills)}
 
 
+def _bench_plane_kills(args) -> dict:
+    from recover_hsdp.hsdp.topology import ENV_STORE, serve_store
+
+    kills = []
+    jobs = (args.kills + args.kills_per_job - 1) // args.kills_per_job
+    for _ in range(jobs):
+        with serve_store("127.0.0.1") as addr:   # one store per job, as a launch has
+            os.environ[ENV_STORE] = addr
+            try:
+                res = _launch(args.ranks, ["--worker", "plane_kill", "--kills-per-job",
+                                           str(args.kills_per_job)], args.timeout, args.mca,
+                              export=[ENV_STORE])
+            finally:
+                os.environ.pop(ENV_STORE, None)
+        for survivors in zip(*[r["kills"] for r in res.values()]):
+            kills.append({"size_before": survivors[0]["size_before"],
+                          **{key: max(s[key] for s in survivors)
+                             for key in ("given_up_ms", "repair_ms", "rebuild_ms",
+                                         "to_next_ok_ms")}})
+    kills = kills[: args.kills]
+    return {"kills": kills, **{f"median_{key}": statistics.median(k[key] for k in kills)
+                               for key in ("given_up_ms", "repair_ms", "rebuild_ms",
+                                           "to_next_ok_ms")}}
+
+
 def _print_report(report: dict) -> None:
     print(f"# bench collectives  {report['host']}  cpus={report['cpus']}  "
           f"load(1m) before={report['load_before'][0]:.1f} after={report['load_after'][0]:.1f}")
@@ -268,6 +377,15 @@ def _print_report(report: dict) -> None:
         print(f"  median {kl['median_to_next_ok_ms']:.1f} ms (detect+repair+record "
               f"{kl['median_detect_repair_ms']:.1f} ms); target < 50 ms: "
               f"{'met' if kl['median_to_next_ok_ms'] < 50 else 'MISSED'}")
+    pk = report.get("plane_kills")
+    if pk:
+        print(f"\ngloo data plane: SIGKILL with a 1 MB all-reduce in flight, {len(pk['kills'])} "
+              "kills (slowest survivor, medians): op given up "
+              f"{pk['median_given_up_ms']:.1f} ms, ULFM repair {pk['median_repair_ms']:.1f} ms, "
+              f"group rebuilt {pk['median_rebuild_ms']:.1f} ms; kill -> next all-reduce "
+              f"{pk['median_to_next_ok_ms']:.1f} ms")
+        print("  per kill (group size before: kill -> next ok, ms): " + ", ".join(
+            f"{k['size_before']}:{k['to_next_ok_ms']:.1f}" for k in pk["kills"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,9 +395,12 @@ def main(argv: list[str] | None = None) -> int:
                  warmup=3, max_bytes=64 * MB, min_bytes=4, kills=10, kills_per_job=2)
     p.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Open MPI MCA parameter for the jobs (repeatable)")
-    p.add_argument("--skip", choices=["allreduce", "kills"], action="append", default=[])
+    p.add_argument("--skip", choices=["allreduce", "kills", "plane"], action="append",
+                   default=[], help="skip a part (repeatable): allreduce, kills, plane (the gloo "
+                                    "data plane's abort + rebuild)")
     # worker mode (the parent launches these under mpirun)
-    p.add_argument("--worker", choices=["allreduce", "kill"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["allreduce", "kill", "plane_kill"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -287,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         from recover_hsdp.collectives.errors import exit_on_unavailable
 
         with exit_on_unavailable("recover-hsdp bench collectives"):
-            (_worker_allreduce if args.worker == "allreduce" else _worker_kill)(args)
+            {"allreduce": _worker_allreduce, "kill": _worker_kill,
+             "plane_kill": _worker_plane_kill}[args.worker](args)
         return 0
     if args.ranks - args.kills_per_job < 2:
         p.error("--kills-per-job must leave at least 2 survivors")
@@ -304,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             report["allreduce"] = _bench_allreduce(args)
         if "kills" not in args.skip:
             report["kills"] = _bench_kills(args)
+        if "plane" not in args.skip:
+            report["plane_kills"] = _bench_plane_kills(args)
     except (RuntimeError, OSError) as e:  # no results / mpirun missing: one line, no traceback
         line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         print(line if line.startswith("recover-hsdp") else f"recover-hsdp bench collectives: "

@@ -26,6 +26,7 @@ poll after the control plane learns of the failure.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from datetime import timedelta
@@ -113,7 +114,9 @@ class GlooPlane:
             return
         members = sorted(int(g) for g in cross.global_ranks)
         digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
-        key = f"rh/dp/{self.name}/j{cross.shard_index}/e{cross.world.epoch}/{digest}/"
+        # a launch id (per launch: a store outlives no launch, but be safe with a reused one)
+        launch = os.environ.get("RECOVER_HSDP_LAUNCH_ID", "")
+        key = f"rh/dp/{self.name}/{launch}/j{cross.shard_index}/e{cross.world.epoch}/{digest}/"
         gen = _Generation(key, members, members.index(int(cross.global_rank)))
         self._gen = gen
         if gen.size == 1:
