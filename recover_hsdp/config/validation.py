@@ -195,6 +195,12 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     except (ValueError, TypeError) as e:
         raise TrainConfigError(one_line(e)) from None
     _check_baseline(parts["baseline"], policy, failures, schedule)
+    if parts["baseline"].name != "none" and (par.replicate_data_plane != "ulfm" or par.overlap):
+        raise TrainConfigError(
+            f"parallel.replicate_data_plane({par.replicate_data_plane!r}) / parallel.overlap"
+            f"({str(par.overlap).lower()}) choose the resilient trainer's data plane; "
+            f"baseline.name({parts['baseline'].name!r}) is plain FSDP (its replicate group is "
+            "FSDP's own): leave them at ulfm / false")
     for i, e in enumerate(schedule.entries):
         wd: WatchdogConfig = parts["watchdog"]
         if getattr(e, "kind", "kill") == "wedge" and not (wd.hang_timeout_s

@@ -300,3 +300,16 @@ def test_nccl_options_are_non_blocking_with_the_planes_timeout():
 
     o = nccl_options(7.0, Opts)
     assert o.config.blocking is False and o._timeout.total_seconds() == 7.0
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["parallel.overlap=true"], "parallel.overlap=true needs an async replicate data plane"),
+    (["parallel.replicate_data_plane=tcp"], "parallel.replicate_data_plane('tcp')"),
+    (["baseline=reference", "parallel.replicate_data_plane=gloo"], "baseline.name('reference')"),
+])
+def test_train_refuses_bad_plane_settings_in_one_line_exit_2(overrides, names, capsys):
+    from recover_hsdp import train
+
+    assert train.main([*overrides, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and names in err[0], err
