@@ -114,7 +114,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                   str), keep=(False, "keep the run directories"))
     p.add_argument("--model", choices=sorted(MODELS), default="debug",
                    help="debug = conf/model/llama_debug.yaml (default); tiny = the e2e tests'")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="a config override for the trainer jobs of the trainer / nonboundary / "
+                        "boundary phases (repeatable), e.g. --set "
+                        "parallel.replicate_data_plane=gloo; dotted keys, YAML values")
     args = p.parse_args(list(argv) if argv is not None else None)
+    for s in args.sets:
+        if "=" not in s or not s.split("=", 1)[0]:
+            p.error(f"--set {s!r}: expected KEY=VALUE")
     if args.shard_size < 2 and "overhead" in args.phases:
         p.error("--shard-size must be >= 2 for the overhead phase (S = 1 is NO_SHARD in FSDP)")
     if args.seq_len > MODELS[args.model]["max_seq_len"]:
@@ -141,6 +148,20 @@ def make_config(args: argparse.Namespace, run_dir: Path, *, W: int, S: int, G: i
         "watchdog": {"shard_timeout_s": 30},
         "debug": {"restore_enabled": True},
     }
+
+
+def apply_sets(cfg: dict, sets: Sequence[str]) -> dict:
+    """``--set a.b=v`` overrides into the resolved config (YAML values: true, 3, gloo)."""
+    import yaml
+
+    for s in sets:
+        key, value = s.split("=", 1)
+        node = cfg
+        *path, last = key.split(".")
+        for k in path:
+            node = node.setdefault(k, {})
+        node[last] = yaml.safe_load(value)
+    return cfg
 
 
 def kill(step: int, replica: int) -> dict:
@@ -224,7 +245,8 @@ def run_trainer(args, work: Path, result: dict) -> None:
 
     W, S, G = args.replicas, args.shard_size, args.grad_accum[0]
     run_dir = work / "trainer" / "run"
-    cfg = make_config(args, run_dir, W=W, S=S, G=G, steps=args.warmup + args.steps)
+    cfg = apply_sets(make_config(args, run_dir, W=W, S=S, G=G, steps=args.warmup + args.steps),
+                     args.sets)
     _say(f"trainer: {W}x{S} ranks, {args.warmup + args.steps} steps, no failures")
     job = launch("trainer", "recover_hsdp.workers.resilient", cfg, work, args.timeout)
     if not (run_dir / "summary.json").exists():
@@ -248,8 +270,8 @@ def run_recovery(args, work: Path, result: dict, kind: str) -> None:
     for i, schedule in enumerate(schedules):
         name = f"{kind}{i}"
         run_dir = work / name / "run"
-        cfg = make_config(args, run_dir, W=W, S=S, G=G, steps=KILL_STEPS[-1] + 1,
-                          schedule=schedule)
+        cfg = apply_sets(make_config(args, run_dir, W=W, S=S, G=G, steps=KILL_STEPS[-1] + 1,
+                                     schedule=schedule), args.sets)
         _say(f"{kind} run {i + 1}/{len(schedules)}: W={W} S={S} G={G}, kills at steps "
              f"{','.join(str(e['step']) for e in schedule)}")
         job = launch(name, "recover_hsdp.workers.resilient", cfg, work, args.timeout)

@@ -231,14 +231,15 @@ def test_wedged_rank_is_judged_on_gloo(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_standby_takes_the_lost_slot_on_gloo(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+def test_standby_takes_the_lost_slot_on_gloo(tmp_path, overlap):
     """W=3, S=2, one standby: replica 1 dies with buckets in flight at step 2; the standby is
     promoted into slot 1 at the boundary and joins the new gloo groups: from then on three
     replicas contribute, every step sums B, the newcomer's shards are bit-identical to the
     survivors', verify OK."""
     W, S, G, steps = 3, 2, 2, 6
     cfg = _gloo(_cfg(tmp_path, W=W, S=S, G=G, steps=steps,
-                     schedule=[K(2, 1, "reduce_inflight", local_rank=1, bucket=0)]))
+                     schedule=[K(2, 1, "reduce_inflight", local_rank=1, bucket=0)]), overlap)
     cfg["parallel"]["standby"] = 1
     out = run_training(cfg, timeout=current_deadline().left())
     run_dir = Path(cfg["run"]["output_dir"])

@@ -136,3 +136,15 @@ def test_table_formats_every_section():
                    "! something failed", "1.0/1.5/2.0", "JSON: bench/results/hsdp.json"):
         assert needle in text, (needle, text)
     assert bh.format_table({"errors": []})  # an empty result still prints a header
+
+
+def test_set_overrides_reach_the_trainer_config():
+    a = bh.parse_args(["--phases", "boundary", "--set", "parallel.replicate_data_plane=gloo",
+                       "--set", "parallel.overlap=true"])
+    from pathlib import Path
+
+    cfg = bh.apply_sets(bh.make_config(a, Path("/x/run"), W=4, S=1, G=2, steps=3), a.sets)
+    assert cfg["parallel"]["replicate_data_plane"] == "gloo"
+    assert cfg["parallel"]["overlap"] is True and cfg["parallel"]["replicas"] == 4
+    with pytest.raises(SystemExit):
+        bh.parse_args(["--set", "novalue"])
