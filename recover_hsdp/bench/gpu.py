@@ -16,7 +16,9 @@ returns what finished), then one table:
    ranks (pinned, chunked, pipelined staging when MPI is not CUDA-aware) vs a plain pinned
    device->host->device copy of the same bytes.
 5. ``s2``: with >= 2 GPUs visible, shard size 2 (NCCL shard groups): the README-style kill on
-   llama_debug 2x2 + verify, and llama_1b 1x2 failure-free step time. Skipped otherwise.
+   llama_debug 2x2 + verify, the nccl replicate data plane (docs/dataplane.md: W=2 S=1,
+   overlapped, a kill inside the reduction, + verify), and llama_1b 1x2 failure-free step time.
+   Skipped otherwise (one GPU cannot hold two ranks of one NCCL communicator).
 6. ``w2_overhead`` (derived): the W=2 step's overhead over W=1 against the staged all-reduce of
    the same bytes, at G=2 (sections 2-4).
 7. ``g8_overhead``: the same at G=8 (W=1 and W=2 resilient, failure-free), only when section 2's
@@ -358,6 +360,22 @@ class Bench:
             res["debug_2x2"]["verify_rc"] = vrc
         else:
             res["debug_2x2"]["error"] = _tail(run.parent / f"{run.name}.log")
+        if self.left() > 90:   # the nccl data plane (docs/dataplane.md): never run before
+            k2 = self.out / "s5_nccl_kill.yaml"
+            k2.write_text("- {step: 2, replica: 1, local_rank: 0, location: reduce, bucket: 1}\n")
+            run2 = self.out / "s5_nccl_plane_w2"
+            ov2 = ["parallel.replicas=2", "parallel.shard_size=1", "parallel.grad_accum=2",
+                   f"failures.schedule={k2}", "run.steps=5", "run.save_params_every=1",
+                   "optim.warmup_steps=1", "run.gpus_per_node=2", "parallel.mixed_precision=fp32",
+                   "parallel.replicate_data_plane=nccl", "parallel.overlap=true"]
+            rc2, wall2 = self.train(run2, ov2, timeout=min(max(30.0, self.left() - 60), 120))
+            r2: dict[str, Any] = {"overrides": ov2, "rc": rc2, "wall_s": round(wall2, 1),
+                                  "steps": len(steps_of(run2, 0))}
+            if rc2 == 0:
+                r2["verify_rc"] = self.verify(run2, "cuda", timeout=90)[0]
+            else:
+                r2["error"] = _tail(run2.parent / f"{run2.name}.log")
+            res["nccl_plane_w2"] = r2
         if self.left() > 60:
             arm = self._arm("s5_1b_1x2", ["parallel.shard_size=2", "run.gpus_per_node=2"],
                             timeout=min(self.left(), 200))

@@ -68,8 +68,9 @@ GPU_ESTIMATES = {
                 f"{SHARED}: ~30 s commit to commit at W=2 on one GPU; assumed 40 s start-up"),
     4: Estimate(4, "staging", 20.0, 0.0, 1, 1,
                 "assumed: 2 ranks, one 256 MB bucket, start-up ~15 s"),
-    5: Estimate(5, "s2", 150.0, 0.0, 1, 1,
-                "assumed (S >= 2 on NCCL has never run): llama_debug 2x2 + verify, 1B 1x2"),
+    5: Estimate(5, "s2", 210.0, 0.0, 1, 1,
+                "assumed (S >= 2 on NCCL and the nccl data plane have never run): llama_debug "
+                "2x2 + verify, the nccl plane W=2 overlapped with a kill + verify, 1B 1x2"),
     7: Estimate(7, "g8_overhead", 80.0, 4 * 6.9 + 4 * 30.0, 4, 3,
                 f"{SHARED}: section 2 and 3 step times x 4 (G=8); assumed 40 s start-ups"),
 }
@@ -140,7 +141,9 @@ def make_plan(sections: Iterable[int], budget_s: float, *, cpu: bool, gpus: int,
         est = table[n]
         if n == 5 and gpus < 2:
             est = replace(est, fixed_s=0.0, per_step_s=0.0,
-                          source=f"skipped at once: needs >= 2 GPUs (planned for {gpus})")
+                          source=f"skipped at once: needs >= 2 GPUs (planned for {gpus}): S = 2 "
+                                 "on NCCL and the nccl data plane (one GPU cannot hold two "
+                                 "ranks of one NCCL communicator)")
         elif runs is not None:
             est = recorded(runs, est, cpu) or est
         fixed = steps is not None and est.per_step_s > 0
