@@ -124,6 +124,19 @@ def _worker_allreduce(args) -> None:
     mpi_comm.Barrier()
 
 
+def _kill_round(g, me: int, mark: Path) -> int:
+    """One kill of a kill job: after a consensus, the group's last rank writes its kill time to
+    ``mark`` and SIGKILLs itself ~50 ms later than the survivors go on (they are inside their
+    next all-reduce by then). Returns the group size before the kill (on the survivors)."""
+    size_before = g.size
+    assert g.consensus().ok
+    if me == g.global_ranks[-1]:
+        time.sleep(0.05)  # the survivors are blocked in their next all-reduce by now
+        mark.write_text(str(time.monotonic_ns()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return size_before
+
+
 def _worker_kill(args) -> None:
     import torch
 
@@ -139,13 +152,7 @@ def _worker_kill(args) -> None:
     kills = []
     for k in range(args.kills_per_job):
         victim = g.global_ranks[-1]
-        size_before = g.size
-        assert g.consensus().ok
-        if me == victim:
-            time.sleep(0.05)  # the survivors are blocked in their next all-reduce by now
-            t_kill = time.monotonic_ns()
-            (out / f"kill{k}.txt").write_text(str(t_kill))
-            os.kill(os.getpid(), signal.SIGKILL)
+        size_before = _kill_round(g, me, out / f"kill{k}.txt")
         calls, t_fail = 0, None
         while True:
             t.fill_(1.0)
@@ -213,13 +220,7 @@ def _worker_plane_kill(args) -> None:
         assert plane.allreduce(t).wait().ok
     kills = []
     for k in range(args.kills_per_job):
-        victim = g.global_ranks[-1]
-        size_before = g.size
-        assert g.consensus().ok
-        if me == victim:
-            time.sleep(0.05)  # the survivors have their all-reduce in flight by now
-            (out / f"pkill{k}.txt").write_text(str(time.monotonic_ns()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        size_before = _kill_round(g, me, out / f"pkill{k}.txt")
         t.fill_(1.0)
         res = plane.allreduce(t).wait()
         t_given_up = time.monotonic_ns()

@@ -240,7 +240,7 @@ class StepTxnOrchestrator(FailureHandling):
             b.content, b.snap_valid, b.epoch = Content.LOCAL, False, -1
             b.reductions = []
         work = self._post_bucket(i)
-        self._early[i] = work if work is not None else _Done(None)
+        self._early[i] = work if work is not None else DoneWork(None)
 
     def fire_deferred_allreduces(self) -> None:
         """Drain the deferred queue: snapshot each bucket, then reduce it on the group."""
@@ -268,7 +268,7 @@ class StepTxnOrchestrator(FailureHandling):
         pending = []
         for i in (order or self.post_order or queue):
             work = early.pop(i) if early and i in early else self._post_bucket(i)
-            if work is None or (isinstance(work, _Done) and work.result is None):
+            if work is None or (isinstance(work, DoneWork) and work.result is None):
                 continue
             if work.done() and not pending:
                 self._complete_bucket(i, work)
@@ -411,7 +411,7 @@ class StepTxnOrchestrator(FailureHandling):
         self.store.snapshot(b, epoch)  # before the collective (a spare is zeroed inside it)
         self.stats.snapshot_s += time.perf_counter() - t0
         post = getattr(self.group, "allreduce_async", None)
-        return post(b.tensor) if post is not None else _Done(self.group.allreduce(b.tensor))
+        return post(b.tensor) if post is not None else DoneWork(self.group.allreduce(b.tensor))
 
     def _complete_bucket(self, i: int, work) -> None:
         res = work.wait()
@@ -472,8 +472,9 @@ class StepTxnOrchestrator(FailureHandling):
             raise RecoveryProtocolError(f"{what} outside an iteration: call begin_iteration()")
 
 
-class _Done:
-    """A synchronous group's result as a completed work (groups without allreduce_async)."""
+class DoneWork:
+    """A work whose result is known at the post: a synchronous group's result (groups without
+    allreduce_async), the ulfm data plane's, a quiesced or one-member call (hsdp/dataplane)."""
 
     __slots__ = ("result",)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from recover_hsdp.recovery.orchestrator import DoneWork  # noqa: F401 - the plane's done work
+
 
 class DataPlaneError(RuntimeError):
     """A data plane cannot be used in this job (e.g. no launcher-hosted store): one line that
@@ -29,21 +31,6 @@ class DataPlaneWork(Protocol):
     def done(self) -> bool: ...
 
     def wait(self) -> Any: ...
-
-
-class DoneWork:
-    """A work whose result is known at the post (the ulfm plane, a quiesced or 1-member call)."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Any):
-        self.result = result
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self.result
 
 
 class DataPlane(Protocol):
