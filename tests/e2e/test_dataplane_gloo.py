@@ -61,6 +61,7 @@ OVERLAP_ROWS = ("W4S1-forward-gate-consensus-down-to-one", "W4S1-rank0-backward-
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.quick_params("W4S1-spare-promotion-blocking-overlap")   # the quick tier's gloo run
 @pytest.mark.parametrize("case,overlap",
                          [(c, False) for c in CASES]
                          + [(c, True) for c in CASES if c[0] in OVERLAP_ROWS],

@@ -50,6 +50,11 @@ FEATURES = {
     "resume": ["tests/e2e/test_rejoin_restart.py::test_standby_first_then_the_relaunch"],
     # a wedged main thread (heartbeat beating) judged by the progress rule at default settings
     "wedge": ["tests/e2e/test_failstop.py::test_cli_default_settings_catch_a_wedged_rank"],
+    # the async data plane (docs/dataplane.md): gloo with overlap, a boundary kill, a spare's
+    # blocking promotion of rank 0's loss and a death in its re-reduce, each step's path checked
+    "gloo data plane + overlap": [
+        "tests/e2e/test_dataplane_gloo.py::test_kill_table_on_gloo"
+        "[W4S1-spare-promotion-blocking-overlap]"],
 }
 
 #: tests/unit tests left out of the tier (a file, or one node id) -> why
