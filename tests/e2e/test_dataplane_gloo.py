@@ -258,3 +258,30 @@ def test_standby_takes_the_lost_slot_on_gloo(tmp_path, overlap):
         for j in range(S):
             load_params(run_dir, step, j, check=True, rtol=0.0, atol=0.0)
     assert _verify(run_dir) == 0, out.stdout[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_data_plane_error_with_nobody_dead_is_re_reduced_not_committed(tmp_path):
+    """Rank 1's 8th gloo post (step 2, bucket 1 of 3) completes but is reported as a data-plane
+    error (test hook): a suspected failure with nobody dead. Rank 1 revokes the control plane;
+    the consensus repairs with no failed replica, the epoch moves, every bucket is re-reduced
+    (blocking) under it, the step commits with all replicas, no failure record, no protocol
+    error; verify OK."""
+    W, S, G, steps = 3, 1, 2, 5
+    cfg = _gloo(_cfg(tmp_path, W=W, S=S, G=G, steps=steps))
+    out = run_training(cfg, timeout=current_deadline().left(),
+                       env={"RECOVER_HSDP_ALLOW_TEST_FAULT": "1",
+                            "RECOVER_HSDP_TEST_DP_ERROR": "8:1"})
+    run_dir = Path(cfg["run"]["output_dir"])
+    assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
+    text = out.stdout + (out.stderr or "")
+    assert "suspected failure (allreduce failed: injected data-plane error" in text, text[-3000:]
+    assert "RecoveryProtocolError" not in text
+    rec = read_run(run_dir)
+    assert rec.committed == list(range(steps))
+    assert sorted(rec.summary["replicas_alive"]) == list(range(W))
+    assert not any(rec.steps[s].failures for s in rec.committed)
+    epochs = [rec.steps[s].epoch for s in rec.committed]
+    assert epochs[:2] == [0, 0] and epochs[2] > 0 and epochs[2:] == [epochs[2]] * 3, epochs
+    assert "blocking" in (rec.steps[2].restore_mode or ""), rec.steps[2].restore_mode
+    assert _verify(run_dir) == 0, out.stdout[-4000:]

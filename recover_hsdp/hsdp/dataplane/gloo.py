@@ -38,6 +38,21 @@ from recover_hsdp.hsdp.dataplane.base import DoneWork
 
 #: how often a waiting op asks the control plane about failures (seconds)
 DEFAULT_POLL_S = 0.02
+#: TEST ONLY (with RECOVER_HSDP_ALLOW_TEST_FAULT=1): "N[:RANK]": this rank's N-th post (1-based)
+#: completes, then is reported as a data-plane error: a suspected failure with nobody dead
+ENV_TEST_ERROR = "RECOVER_HSDP_TEST_DP_ERROR"
+
+
+def _test_error_post() -> int:
+    from recover_hsdp.faults.seam import ENV_ALLOW
+
+    spec = os.environ.get(ENV_TEST_ERROR, "")
+    if not spec or os.environ.get(ENV_ALLOW) != "1":
+        return -1
+    n, _, rank = spec.partition(":")
+    if rank and int(rank) != int(os.environ.get("OMPI_COMM_WORLD_RANK", "-1")):
+        return -1
+    return int(n)
 
 
 def _first_line(e: BaseException) -> str:
@@ -103,6 +118,7 @@ class GlooPlane:
         self._gen: Optional[_Generation] = None
         self.parked: list[_Generation] = []      # abandoned generations: never destroyed here
         self.stats = {"posted": 0, "abandoned": 0, "suspected": 0, "builds": 0}
+        self._inject = _test_error_post()
 
     # ---- membership --------------------------------------------------------------------------
     def membership_changed(self) -> None:
@@ -217,20 +233,23 @@ class GlooPlane:
             self._suspect(gen, f"allreduce post failed: {_first_line(e)}")
             return self._failed()
         self.stats["posted"] += 1
-        return _GlooWork(self, gen, tensor, buf, work)
+        w = _GlooWork(self, gen, tensor, buf, work)
+        w.inject = self.stats["posted"] == self._inject
+        return w
 
     def close(self) -> None:
         self._gen = None
 
 
 class _GlooWork:
-    __slots__ = ("plane", "gen", "tensor", "buf", "work", "ev", "t0", "_res")
+    __slots__ = ("plane", "gen", "tensor", "buf", "work", "ev", "t0", "_res", "inject")
 
     def __init__(self, plane: GlooPlane, gen: _Generation, tensor, buf, work):
         self.plane, self.gen, self.tensor, self.buf, self.work = plane, gen, tensor, buf, work
         self.ev = threading.Event()
         self.t0 = time.monotonic()
         self._res = None
+        self.inject = False
         work.get_future().add_done_callback(lambda _f: self.ev.set())
 
     def done(self) -> bool:
@@ -251,6 +270,8 @@ class _GlooWork:
         else:
             try:
                 self.work.wait()
+                if self.inject:
+                    raise RuntimeError(f"injected data-plane error ({ENV_TEST_ERROR}, test)")
             except RuntimeError as e:
                 plane._suspect(gen, f"allreduce failed: {_first_line(e)}")
             else:
