@@ -83,6 +83,8 @@ class IterationLog:
     #: per fire: seconds from the end of the pass's microbatch loop (the call) until every
     #: bucket's reduction completed here: the reduction's EXPOSED time (overlap shrinks it)
     exposed_s: list[float] = field(default_factory=list)
+    #: seconds in consensus() this iteration (the gate, the control plane's rounds, restores)
+    consensus_s: float = 0.0
 
 
 class StepTxnOrchestrator(FailureHandling):
@@ -323,6 +325,13 @@ class StepTxnOrchestrator(FailureHandling):
                 f"consensus with {len(self._queue)} enqueued buckets not fired")
         if self._n_buckets is None:
             raise RecoveryProtocolError("consensus before the first fire_deferred_allreduces")
+        t0 = time.perf_counter()
+        try:
+            return self._consensus_loop()
+        finally:
+            self.iteration_log.consensus_s += time.perf_counter() - t0
+
+    def _consensus_loop(self) -> Verdict:
         while True:
             if self._latch is RestoreMode.NON_BLOCKING:
                 self._start_extension()
