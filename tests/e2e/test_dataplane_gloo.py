@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.record import load_params, read_run
+from recover_hsdp.record import read_run
 from tests._gate import TestGate
 from tests._procs import current_deadline, kill_tree
 from tests._wait import Deadline, until
 from tests.e2e._launch import REPO, run_training
 from tests.e2e.test_failstop import SMALL, _pids, _verify as _verify_ok
 from tests.e2e.test_hsdp_kills import (CASES, K, _cfg, _check_path, _check_run, _steps,
-                                       _verify)
+                                       _verify, check_bitwise_and_verify)
 
 pytestmark = [pytest.mark.mpi]
 
@@ -79,10 +79,7 @@ def test_kill_table_on_gloo(tmp_path, case, overlap):
         assert _posted_early(run_dir) > 0
     _check_run(run_dir, W, S, G, schedule, policy, steps)
     _check_path(run_dir, name)         # the same recovery path as on ulfm, step by step
-    for step in range(steps):
-        for j in range(S):
-            load_params(run_dir, step, j, check=True, rtol=0.0, atol=0.0)
-    assert _verify(run_dir) == 0, out.stdout[-4000:]
+    check_bitwise_and_verify(run_dir, steps, S, out)
 
 
 def _step_times(run_dir: Path, rank: int) -> dict[int, float]:
@@ -254,10 +251,7 @@ def test_standby_takes_the_lost_slot_on_gloo(tmp_path, overlap):
               if j.get("outcome") == "joined"]
     assert joined and joined[0]["replica"] == 1, [rec.steps[s].extra for s in rec.committed]
     assert sorted(rec.summary["replicas_alive"]) == [0, 1, 2]
-    for step in range(steps):
-        for j in range(S):
-            load_params(run_dir, step, j, check=True, rtol=0.0, atol=0.0)
-    assert _verify(run_dir) == 0, out.stdout[-4000:]
+    check_bitwise_and_verify(run_dir, steps, S, out)
 
 
 @pytest.mark.timeout(300)

@@ -217,10 +217,14 @@ def test_kill_table(tmp_path, case):
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
     _check_run(run_dir, W, S, G, schedule, policy, steps)
     _check_path(run_dir, name)
-    # identical parameters on every surviving replica (load_params checks copies agree)
+    check_bitwise_and_verify(run_dir, steps, S, out)
+
+
+def check_bitwise_and_verify(run_dir: Path, steps: int, S: int, out) -> None:
+    """Identical parameters on every surviving replica at every saved step, bit for bit
+    (load_params checks the copies agree), then `recover-hsdp verify` OK."""
     from recover_hsdp.record import load_params
 
-    # at every saved step, bit for bit (not only the last)
     for step in range(steps):
         for j in range(S):
             load_params(run_dir, step, j, check=True, rtol=0.0, atol=0.0)

@@ -27,25 +27,18 @@ import pytest
 
 from recover_hsdp.record import read_run
 from recover_hsdp.verify import verify_run
-from tests.e2e._launch import one_thread, run_training
-from tests.e2e.test_hsdp_kills import K, _cfg
+from tests.e2e._launch import one_thread
+from tests.e2e.test_hsdp_kills import K
+from tests.e2e.test_verify_seam import _run as seam_run
 
 pytestmark = [pytest.mark.mpi]
 
-ALLOW = {"RECOVER_HSDP_ALLOW_TEST_FAULT": "1"}
 B = 4
 
 
 def _run(tmp: Path, *, steps: int, optim: dict, faults: str, kills=()) -> Path:
-    cfg = _cfg(tmp, W=2, S=1, G=2, steps=steps, schedule=kills)
-    cfg["optim"].update(optim)
-    out = run_training(cfg, env={"RECOVER_HSDP_TEST_FAULT": faults, **ALLOW})
-    run_dir = Path(cfg["run"]["output_dir"])
-    assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
-    assert "TEST FAULT SEAM ACTIVE" in out.stdout, out.stdout[-3000:]
-    rec = verify_run(run_dir, records_only=True)
-    assert rec.exit_code == 0, rec.message      # the record is honest: only the run is wrong
-    return run_dir
+    """W=2 S=1 G=2 under the seam, the record checked honest (test_verify_seam's run)."""
+    return seam_run(tmp, S=1, steps=steps, optim=optim, faults=faults, kills=kills)
 
 
 def _check(run_dir: Path, first_bad: int, steps: int, *, sgd: bool) -> None:

@@ -25,8 +25,9 @@ pytestmark = [pytest.mark.mpi]
 ALLOW = {"RECOVER_HSDP_ALLOW_TEST_FAULT": "1"}
 
 
-def _run(tmp: Path, *, S: int, steps: int, optim: dict, faults: str, mp: str = "fp32") -> Path:
-    cfg = _cfg(tmp, W=2, S=S, G=2, steps=steps)
+def _run(tmp: Path, *, S: int, steps: int, optim: dict, faults: str, mp: str = "fp32",
+         kills=()) -> Path:
+    cfg = _cfg(tmp, W=2, S=S, G=2, steps=steps, schedule=kills)
     cfg["optim"].update(optim)
     cfg["parallel"]["mixed_precision"] = mp
     out = run_training(cfg, env={"RECOVER_HSDP_TEST_FAULT": faults, **ALLOW})
