@@ -32,4 +32,12 @@ def __getattr__(name: str):
         from recover_hsdp.hsdp import HSDPULFMTrainingManager
 
         return HSDPULFMTrainingManager
+    if name == "CustomParts":   # a custom loop's user code, as verify rebuilds it
+        from recover_hsdp.record.custom import CustomParts
+
+        return CustomParts
+    if name == "record_run":    # a custom loop's run record in one call (docs/custom_loop.md)
+        from recover_hsdp.workers.custom import record_run
+
+        return record_run
     raise AttributeError(f"module 'recover_hsdp' has no attribute {name!r}")

@@ -123,7 +123,10 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
         note("meta.json: restore_enabled=false (debug switch): this run committed unrestored "
              "gradients after failures and is expected to FAIL")
     dev = torch.device(opt.device)
-    tokenizer = Tokenizer(spec.data_cfg.tokenizer)
+    custom = spec.custom     # a custom loop's run: its factory's parts (verify/custom.py)
+    if custom is not None:
+        build_model, build_optimizer, lr_at, set_lr = custom.builders(set_lr)
+    tokenizer = Tokenizer(spec.data_cfg.tokenizer) if custom is None else None
     sources: dict[int, Any] = {}
 
     def source(replica: int):
@@ -138,7 +141,9 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                                        ) from None
         return sources[key]
 
-    fp = source(0).fingerprint
+    if custom is not None:
+        source = custom.source
+    fp = source(0).fingerprint if custom is None else custom.fingerprint
     if spec.data_fingerprint is None:
         note("meta.json has no data_fingerprint: the data cannot be checked to be the run's")
     elif fp != spec.data_fingerprint:
@@ -150,6 +155,8 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
     model = build_model(spec.model_cfg, seed=spec.seed, device=dev)
     model.train()
     optimizer = build_optimizer(model.named_parameters(), spec.optim_cfg)
+    if custom is not None:   # the strict check's view of the loop's optimizer (or none)
+        spec.optim_cfg = custom.optim_view(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     twin = None
     if opt.envelope:
@@ -164,7 +171,10 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
     bf16 = bf16_setup(record.meta, model, params, note, spec.shard_size, spec.mbs)  # or None
     strict_chk = None
     nd = nondeterministic_profile(record.meta, tol, note)     # None: a deterministic run
-    if opt.strict:
+    if opt.strict and custom is not None and not custom.strict_ok:
+        note(f"the custom loop's optimizer ({type(optimizer).__name__}) is neither AdamW nor "
+             f"plain SGD: no strict per-coordinate check, no gradient-norm check")
+    if opt.strict and (custom is None or custom.strict_ok):
         from recover_hsdp.verify.strict import C_STRICT, StrictCheck
 
         c0 = nd["c_strict"] if nd else C_STRICT

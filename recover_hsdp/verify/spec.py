@@ -78,6 +78,8 @@ class RunSpec:
     # (first step, OptimConfig) of each resumed segment that trained under other optimizer
     # settings (segments.jsonl "optim": a resume may change the schedule; docs/checkpoint.md)
     optim_segments: list = dataclasses.field(default_factory=list)
+    # a custom loop's run (meta.json "custom"): its user code, rebuilt (verify/custom.py)
+    custom: Any = None
 
     def optim_at(self, step: int) -> Any:
         """The optimizer settings step ``step`` trained under: its segment's."""
@@ -118,6 +120,10 @@ class RunSpec:
                                    f" * g_init({ints['g_init']})")
         config = record.config
         kind, kind_src = _policy_kind(config, meta)
+        if isinstance(meta.get("custom"), Mapping):    # a custom loop's record (workers/custom.py)
+            from recover_hsdp.verify.custom import load_custom_spec
+
+            return load_custom_spec(cls, run_dir, record, meta, ints, kind, kind_src)
 
         from recover_hsdp.data import DataConfig, DataConfigError, Tokenizer
         from recover_hsdp.hsdp.layout import FlatParamLayout

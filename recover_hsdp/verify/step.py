@@ -53,6 +53,13 @@ def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool
         return x.to(dev), y.to(dev)
 
     norm = spec.tokens_per_microbatch
+    custom = getattr(spec, "custom", None)     # a custom loop's loss (verify/custom.py)
+
+    def loss_of(m, x, y, slices: int = 1):
+        """The replica microbatch's loss (slices=S: one of its S row slices, as a rank's)."""
+        if custom is not None:
+            return custom.loss(m, x, y) / slices
+        return next_token_loss(m(x), y, tokens_per_microbatch=norm)
     optimizer.zero_grad(set_to_none=True)
     if strict is not None:
         strict.begin_step()
@@ -68,7 +75,7 @@ def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool
                         gs = bf16.grads(x, y, lambda o, t: next_token_loss(
                             o, t, tokens_per_microbatch=spec.mbs * spec.seq_len))
                     else:
-                        loss = next_token_loss(model(x), y, tokens_per_microbatch=norm)
+                        loss = loss_of(model, x, y)
                         gs = torch.autograd.grad(loss, params, allow_unused=True)
                     if strict is not None:
                         strict.add_microbatch(gs)
@@ -82,17 +89,17 @@ def _replay_step(arm: _Arm, replay: _Replay, rec, step: int, *, hsdp_order: bool
             for r in sorted(rec.contributions):
                 for mb_id in rec.contributions[r]:
                     x, y = get(r, mb_id)
-                    next_token_loss(model(x), y, tokens_per_microbatch=norm).backward()
+                    loss_of(model, x, y).backward()
         else:
             total = [torch.zeros_like(p) for p in params]
             for r in sorted(rec.contributions, reverse=True):
                 acc = [torch.zeros_like(p) for p in params]
                 for mb_id in rec.contributions[r]:
                     x, y = get(r, mb_id)
+                    mbs = spec.mbs or x.shape[0] // spec.shard_size
                     for j in range(spec.shard_size):
-                        rows = slice(j * spec.mbs, (j + 1) * spec.mbs)
-                        loss = next_token_loss(model(x[rows]), y[rows],
-                                               tokens_per_microbatch=norm)
+                        rows = slice(j * mbs, (j + 1) * mbs)
+                        loss = loss_of(model, x[rows], y[rows], spec.shard_size)
                         for a, g in zip(acc, torch.autograd.grad(loss, params,
                                                                  allow_unused=True)):
                             if g is not None:
