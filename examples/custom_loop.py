@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if mgr.shard_index == 0 and mgr.replica == min(mgr.alive_replicas):
             print(f"step {mt.step}: loss {mt.loss:.4f}, {mt.divisor} microbatches, "
                   f"alive replicas {mt.alive}, restore {mt.restore_modes}", flush=True)
-        if a.save_every and mgr.step % a.save_every == 0 and mgr.step < a.steps:
+        if a.save_every and mgr.step % a.save_every == 0:
             mgr.save(run_dir)       # lowest alive replica writes checkpoints/step_N (async)
     mgr.wait_saved()
     rec.finish()

@@ -124,6 +124,12 @@ def load_custom_spec(cls, run_dir, record, meta: Mapping, ints: Mapping, kind: s
     except RecordError as e:
         raise VerifyInputError(f"{run_dir}/meta.json: {e}") from None
     custom = CustomReplay(parts, ref)
+    fp = meta.get("data_fingerprint")
+    if fp is not None and parts.fingerprint != fp:
+        raise VerifyInputError(
+            f"data fingerprint mismatch: the run recorded {fp!r}, {ref.get('factory')}"
+            f"(**{ref.get('kwargs')}) on this machine gives {parts.fingerprint!r} (the factory, "
+            f"its arguments or the data it reads differ)")
     raw_layout = meta.get("param_layout")
     from recover_hsdp.hsdp import layout as lay
 
