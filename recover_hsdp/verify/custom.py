@@ -33,8 +33,9 @@ class CustomOptim:
 class CustomReplay:
     """The replay's side of a custom loop's parts (one per verification)."""
 
-    def __init__(self, parts, ref: Mapping):
+    def __init__(self, parts, ref: Mapping, mixed_precision=None):
         self.parts, self.ref = parts, dict(ref)
+        self.mixed_precision = mixed_precision
         self.name = f"{parts.name} ({ref.get('factory')})"
         self.fingerprint = parts.fingerprint
         self.base_lr: Optional[float] = None
@@ -44,6 +45,10 @@ class CustomReplay:
     def builders(self, set_lr):
         """(build_model, build_optimizer, lr_at, set_lr) with the trainer's signatures, over
         the loop's parts (replay.py calls them as it calls the trainer's)."""
+        if self.mixed_precision == "bf16":   # records-only still works (it builds nothing)
+            raise VerifyInputError("a bf16 custom loop cannot be replayed yet (the bf16 replay "
+                                   "needs the trainer's loss): train it with "
+                                   "mixed_precision='fp32' to verify it, or pass --records-only")
         built: list = []
 
         def build_model(model_cfg=None, seed=None, device=None):   # noqa: ARG001
@@ -115,15 +120,11 @@ def load_custom_spec(cls, run_dir, record, meta: Mapping, ints: Mapping, kind: s
                      kind_src: str):
     """RunSpec of a custom loop's run: the factory built (VerifyInputError, one line, if not)."""
     ref = meta["custom"]
-    if meta.get("mixed_precision") == "bf16":
-        raise VerifyInputError(f"{run_dir}: a bf16 custom loop cannot be replayed yet (the bf16 "
-                               f"replay needs the trainer's loss); train it with "
-                               f"mixed_precision='fp32' to verify it")
     try:
         parts = build_parts(ref)
     except RecordError as e:
         raise VerifyInputError(f"{run_dir}/meta.json: {e}") from None
-    custom = CustomReplay(parts, ref)
+    custom = CustomReplay(parts, ref, meta.get("mixed_precision"))
     fp = meta.get("data_fingerprint")
     if fp is not None and parts.fingerprint != fp:
         raise VerifyInputError(
