@@ -76,6 +76,7 @@ class ParallelConfig:
     standby: int = 0               # hot-standby replicas launched idle (docs/rejoin.md)
     replicate_data_plane: str = "ulfm"   # cross-replica bytes: ulfm | gloo | nccl (docs/dataplane.md)
     overlap: bool = False          # post each bucket's reduction inside the last backward (async planes)
+    fsdp: int = 1                  # substrate: 1 (FSDP1 HYBRID_SHARD) | 2 (fully_shard; docs/fsdp2.md)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
@@ -91,6 +92,12 @@ class ParallelConfig:
             raise TrainConfigError("parallel.overlap=true needs an async replicate data plane: "
                                    "parallel.replicate_data_plane=gloo (CPU) or nccl (GPU), got "
                                    "ulfm (blocking)")
+        if self.fsdp not in (1, 2) or isinstance(self.fsdp, bool):
+            raise TrainConfigError(f"parallel.fsdp({self.fsdp!r}) must be 1 (FSDP1 HYBRID_SHARD) "
+                                   f"or 2 (FSDP2 fully_shard)")
+        if self.overlap and self.fsdp == 2:
+            raise TrainConfigError("parallel.overlap=true is not supported at parallel.fsdp=2 "
+                                   "(FSDP1 only; docs/fsdp2.md)")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"parallel.mixed_precision({self.mixed_precision!r}) must be "
                                    f"auto, bf16 or fp32")

@@ -201,6 +201,10 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
             f"({str(par.overlap).lower()}) choose the resilient trainer's data plane; "
             f"baseline.name({parts['baseline'].name!r}) is plain FSDP (its replicate group is "
             "FSDP's own): leave them at ulfm / false")
+    if parts["baseline"].name != "none" and par.fsdp != 1:
+        raise TrainConfigError(f"parallel.fsdp({par.fsdp}) chooses the resilient trainer's "
+                               f"substrate; baseline.name({parts['baseline'].name!r}) runs FSDP1: "
+                               f"leave parallel.fsdp at 1")
     for i, e in enumerate(schedule.entries):
         wd: WatchdogConfig = parts["watchdog"]
         if getattr(e, "kind", "kill") == "wedge" and not (wd.hang_timeout_s

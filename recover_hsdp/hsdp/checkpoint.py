@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from recover_hsdp.faults import failstop
-from recover_hsdp.hsdp.state_dicts import load_state_dicts, stage, state_dicts
+from recover_hsdp.hsdp.state_dicts import stage
 from recover_hsdp.policy import DataAssignment, PolicyError
 from recover_hsdp.faults.seam import enospc_writer
 from recover_hsdp.record.checkpoint import (STATE_FORMAT, CheckpointDiskError, ckpt_path,
@@ -184,7 +184,7 @@ class ResilientCheckpointer:
         except OSError as e:
             self._disk_failure(e, tmp, meta)
             raise
-        state = state_dicts(self.mgr)
+        state = self.mgr.substrate.state_dicts(self.mgr)
         final = ckpt_path(self.run_dir, step)
         use_async = self.use_async if sync is None else not sync
         write = enospc_writer(dcp.save, step)
@@ -292,9 +292,9 @@ class ResilientCheckpointer:
         if int(st["B"]) != int(mgr.policy.B):
             raise ValueError(f"{path} was saved with B={st['B']} microbatches per step; this "
                              f"manager has replicas x grad_accum = {mgr.policy.B}")
-        state = state_dicts(mgr)
+        state = mgr.substrate.state_dicts(mgr)
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
-        load_state_dicts(mgr, state)
+        mgr.substrate.load_state_dicts(mgr, state)
         self.w0 = int(st["w_init"])
         self.slices = {str(k): dict(v) for k, v in st["slices"].items()}
         streams = assign_streams(self.slices, int(mgr.policy.w_init))

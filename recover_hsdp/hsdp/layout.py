@@ -53,6 +53,8 @@ class FlatParamLayout:
     end: int
     dtype: str
 
+    kind = "fsdp1"
+
     @property
     def shard_numel(self) -> int:
         return self.end - self.start
@@ -60,12 +62,145 @@ class FlatParamLayout:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def for_shard0(self) -> dict:
+        """The dict meta.json holds (byte-identical on every rank): as seen by shard 0."""
+        d = self.to_dict()
+        d.update(shard_index=0, start=0, end=self.padded_numel // self.shard_size)
+        return d
+
+    def shard_from_full(self, model_state, shard_index: int, pad_value: float = 0.0):
+        """Shard ``shard_index`` of this flat parameter rebuilt from plain tensors by fqn."""
+        return flat_shard_from_full(model_state, [self], shard_index, pad_value=pad_value)[0]
+
+    def full_from_shards(self, shards) -> dict:
+        """{fqn: tensor} from the S saved 1-D shards of this flat parameter, shard order."""
+        import torch
+
+        full = torch.cat([t.reshape(-1) for t in shards])
+        return {s.fqn: full[s.offset:s.offset + s.numel].view(s.shape) for s in self.params}
+
+    def locate(self, shard_index: int, pos: int) -> str:
+        """Human name of element ``pos`` of shard ``shard_index``."""
+        g = shard_index * (self.padded_numel // self.shard_size) + pos
+        for slot in self.params:
+            if slot.offset <= g < slot.offset + slot.numel:
+                return f"{slot.fqn}[{_index(slot.shape, g - slot.offset)}]"
+        kind = "padding inside the flat parameter" if g < self.unpadded_numel else "shard padding"
+        return f"flat{self.index} {kind} (element {g})"
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FlatParamLayout":
         d = dict(d)
+        d.pop("kind", None)
         d["params"] = tuple(ParamSlot(p["fqn"], tuple(p["shape"]), p["numel"], p["offset"])
                             for p in d["params"])
         return cls(**d)
+
+
+def _index(shape, k: int) -> str:
+    idx = []
+    for dim in reversed(shape):
+        idx.append(k % dim)
+        k //= dim
+    return ",".join(map(str, reversed(idx)))
+
+
+def row_range(dim0: int, shard_size: int, shard_index: int) -> tuple[int, int]:
+    """Rows [a, b) of a dim-0 size ``dim0`` that shard ``shard_index`` of ``shard_size`` holds
+    under FSDP2's ``Shard(0)``: torch.chunk's split (chunks of ceil(dim0/S), the last ones
+    shorter or empty)."""
+    c = -(-dim0 // shard_size) if dim0 else 0
+    a = min(dim0, shard_index * c)
+    return a, min(dim0, a + c)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShardLayout:
+    """One FSDP2 bucket (the parameters one ``fully_shard`` unit manages, its own order): every
+    parameter is sharded by rows (``Shard(0)``) over the replica's S ranks; shard j of the bucket
+    is the concatenation of each parameter's rows of shard j, flattened, without padding."""
+
+    index: int
+    module_fqn: str
+    params: tuple[ParamSlot, ...]   # offset: 0 (each parameter is its own tensor)
+    shard_size: int
+    dtype: str
+    kind = "fsdp2"
+
+    def shard_numel_of(self, shard_index: int) -> int:
+        n = 0
+        for s in self.params:
+            a, b = row_range(s.shape[0], self.shard_size, shard_index)
+            n += (b - a) * (s.numel // max(1, s.shape[0]))
+        return n
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kind"] = self.kind
+        return d
+
+    def for_shard0(self) -> dict:
+        return self.to_dict()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RowShardLayout":
+        d = {k: v for k, v in d.items() if k != "kind"}
+        d["params"] = tuple(ParamSlot(p["fqn"], tuple(p["shape"]), p["numel"], p.get("offset", 0))
+                            for p in d["params"])
+        return cls(**d)
+
+    def shard_from_full(self, model_state, shard_index: int, pad_value: float = 0.0):
+        import torch
+
+        parts = []
+        for s in self.params:
+            if s.fqn not in model_state:
+                raise KeyError(f"bucket {self.index}: {s.fqn!r} missing from model_state")
+            t = model_state[s.fqn]
+            if tuple(t.shape) != s.shape:
+                raise ValueError(f"{s.fqn}: shape {tuple(t.shape)} != layout {s.shape}")
+            a, b = row_range(s.shape[0], self.shard_size, shard_index)
+            parts.append(t.detach()[a:b].reshape(-1).to(getattr(torch, self.dtype)))
+        if not parts:
+            return torch.zeros(0, dtype=getattr(torch, self.dtype))
+        return torch.cat(parts)
+
+    def full_from_shards(self, shards) -> dict:
+        import torch
+
+        offs = [0] * len(shards)
+        out = {}
+        for s in self.params:
+            rows, per = [], s.numel // max(1, s.shape[0])
+            for j, t in enumerate(shards):
+                a, b = row_range(s.shape[0], self.shard_size, j)
+                n = (b - a) * per
+                rows.append(t.reshape(-1)[offs[j]:offs[j] + n])
+                offs[j] += n
+            out[s.fqn] = torch.cat(rows).view(s.shape)
+        return out
+
+    def locate(self, shard_index: int, pos: int) -> str:
+        k = pos
+        for s in self.params:
+            a, b = row_range(s.shape[0], self.shard_size, shard_index)
+            per = s.numel // max(1, s.shape[0])
+            n = (b - a) * per
+            if k < n:
+                return f"{s.fqn}[{_index(s.shape, a * per + k)}]"
+            k -= n
+        return f"flat{self.index} beyond its parameters (element {pos})"
+
+
+def layout_from_dict(d: Mapping[str, Any]):
+    """A bucket layout from meta.json: FSDP1 flat parameter (no ``kind``, or "fsdp1") or an
+    FSDP2 row-sharded bucket ("fsdp2")."""
+    kind = d.get("kind", "fsdp1")
+    if kind == "fsdp2":
+        return RowShardLayout.from_dict(d)
+    if kind != "fsdp1":
+        raise ValueError(f"unknown layout kind {kind!r}")
+    return FlatParamLayout.from_dict(d)
 
 
 def parameter_layout(fsdp_module: nn.Module) -> list[FlatParamLayout]:

@@ -31,6 +31,7 @@ from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
 from recover_hsdp.hsdp.overlap import Overlap
 from recover_hsdp.hsdp.step_hooks import HookedGroup, StepHooks
+from recover_hsdp.hsdp.substrate import make_substrate, resolve_mixed_precision  # noqa: F401
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
                                  StaticWorldPolicy, contrib_total, elect)
 from recover_hsdp.recovery import StepTxnOrchestrator, Verdict
@@ -76,6 +77,7 @@ class HSDPULFMTrainingManager:
     max_skipped_steps such steps in a row raise optim.NonFiniteGradError on every rank.
     replicate_data_plane: "ulfm" (default), "gloo" or "nccl" (async; docs/dataplane.md);
     overlap: post each bucket's reduction inside the last backward (async planes; hsdp/overlap.py).
+    fsdp: 1 (FSDP1 HYBRID_SHARD) or 2 (fully_shard over the shard group; docs/fsdp2.md).
     """
 
     def __init__(self, model: nn.Module, *, optimizer_factory: Callable[[nn.Module], Any],
@@ -92,7 +94,7 @@ class HSDPULFMTrainingManager:
                  mixed_precision: Any = "auto",
                  grad_clip: Optional[float] = None,
                  max_skipped_steps: int = 3, standby: int = 0,
-                 replicate_data_plane: str = "ulfm", overlap: bool = False):
+                 replicate_data_plane: str = "ulfm", overlap: bool = False, fsdp: int = 1):
         fh.check_torch_version()
         from recover_hsdp.hsdp.topology import limit_core_dumps
 
@@ -114,11 +116,10 @@ class HSDPULFMTrainingManager:
         startup.mark_phase("groups")   # start-up progress (faults/startup.py)
         self.world = UlfmGroup.world()
         self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
-        self.module = fh.wrap_hybrid_shard(
+        self.substrate = make_substrate(fsdp)   # the one FSDP seam (hsdp/substrate/)
+        self.module = self.substrate.wrap(
             model, self.shard_pg, auto_wrap_policy=auto_wrap_policy, device=self.device,
-            topology=self.topo,
-            mixed_precision=fh.bf16_mixed_precision() if self.mixed_precision == "bf16" else (
-                None if self.mixed_precision == "fp32" else mixed_precision))
+            topology=self.topo, mixed_precision=self.mixed_precision)
         startup.mark_phase("wrapped")
         self.grad_clip = float(grad_clip) if grad_clip else None
         self.max_skipped_steps = int(max_skipped_steps)
@@ -127,7 +128,7 @@ class HSDPULFMTrainingManager:
         #: called right before each optimizer step (e.g. wait for a parameter snapshot's copy)
         self.before_optimizer_step: Optional[Callable[[], None]] = None
         self.optimizer = optimizer_factory(self.module)
-        self.acc = fh.MicrobatchAccumulator(self.module)
+        self.acc = self.substrate.accumulator(self.module)
         if policy == "static":
             self.policy = StaticWorldPolicy(replicas, grad_accum)
         elif policy == "adaptive":
@@ -244,7 +245,7 @@ class HSDPULFMTrainingManager:
         if not isinstance(schedule, FailureSchedule):
             schedule = FailureSchedule.from_list(list(schedule or []))
         schedule.validate(self.topo.replicas, self.S, start_step=self.step,
-                          n_buckets=len(fh.grad_shard_names(self.module)))
+                          n_buckets=len(self.substrate.bucket_names(self.module)))
         self.injector = FailureInjector(schedule, self.replica, self.shard_index,
                                         before_kill=before_kill, verbose=True)
 
@@ -359,7 +360,7 @@ class HSDPULFMTrainingManager:
     def _reduce(self, step: int, loss_sum) -> list[torch.Tensor]:
         """The cross-replica reduction after the loop (overlap: what the last backward left)."""
         self.cross.set_loss_sum(float(loss_sum))
-        buckets = self._buckets = fh.grad_shards(self.module)
+        buckets = self._buckets = self.substrate.buckets(self.module)
         self.hooks.before_reduce(step, buckets)
         for t in buckets:
             self.orch.enqueue_bucket(t)
@@ -486,15 +487,3 @@ class HSDPULFMTrainingManager:
             p = found[0]
         ck = self.checkpointer(p.parent.parent)
         return ck.load(p)
-
-def resolve_mixed_precision(mp: Any, device: torch.device) -> Any:
-    """"auto" -> "bf16" on CUDA, "fp32" elsewhere; None -> "fp32"; a MixedPrecision as is."""
-    if mp is None:
-        return "fp32"
-    if isinstance(mp, str):
-        if mp == "auto":
-            return "bf16" if torch.device(device).type == "cuda" else "fp32"
-        if mp in ("bf16", "fp32"):
-            return mp
-        raise ValueError(f"mixed_precision must be auto, bf16 or fp32 (got {mp!r})")
-    return mp

@@ -59,6 +59,9 @@ class Overlap:
             raise ValueError("parallel.overlap=true needs an async replicate data plane "
                              f"(parallel.replicate_data_plane=gloo or nccl, got "
                              f"{mgr.cross.plane.name})")
+        if not mgr.substrate.overlap_ok:
+            raise ValueError(f"parallel.overlap=true is not supported at parallel.fsdp="
+                             f"{mgr.substrate.fsdp} (FSDP1 only; docs/fsdp2.md)")
         from recover_hsdp.hsdp.buckets import flat_param_handles
 
         self.handles = [h for _, h in flat_param_handles(mgr.module)]

@@ -56,10 +56,13 @@ def _candidates(cross) -> tuple[int, int]:
 
 
 # ---- the state a newcomer needs ----------------------------------------------------------------
-def _pack(mgr) -> tuple[bytes, torch.Tensor]:
-    from recover_hsdp.hsdp.layout import local_flat_shards
+def _local(v):
+    """A DTensor (fsdp=2 optimizer state) travels as its local shard; plain tensors as is."""
+    return v.to_local() if hasattr(v, "to_local") else v
 
-    tensors = [t.detach() for t in local_flat_shards(mgr.module)]
+
+def _pack(mgr) -> tuple[bytes, torch.Tensor]:
+    tensors = [t.detach() for t in mgr.substrate.param_shards(mgr.module)]
     n_params = len(tensors)
     sd = mgr.optimizer.state_dict()
     state = {}
@@ -67,8 +70,9 @@ def _pack(mgr) -> tuple[bytes, torch.Tensor]:
         state[k] = {}
         for name, v in st.items():
             if torch.is_tensor(v):
-                state[k][name] = ("__tensor__", len(tensors), tuple(v.shape), str(v.dtype))
-                tensors.append(v.detach())
+                state[k][name] = ("__tensor__", len(tensors), tuple(v.shape), str(v.dtype),
+                                  hasattr(v, "to_local"))
+                tensors.append(_local(v).detach())
             else:
                 state[k][name] = v
     meta = [(tuple(t.shape), str(t.dtype), t.numel() * t.element_size()) for t in tensors]
@@ -82,19 +86,28 @@ def _pack(mgr) -> tuple[bytes, torch.Tensor]:
 
 
 def _unpack(mgr, blob: dict, payload: torch.Tensor) -> None:
-    from recover_hsdp.hsdp.layout import local_flat_shards
-
     parts, off = [], 0
     for shape, dtype, nbytes in blob["meta"]:
         dt = getattr(torch, dtype.removeprefix("torch."))
         parts.append(payload[off:off + nbytes].view(dt).reshape(shape))
         off += nbytes
-    with torch.no_grad():
-        for dst, src in zip(local_flat_shards(mgr.module), parts[:blob["n_params"]]):
-            dst.copy_(src.to(dst.device))
+    mgr.substrate.load_param_shards(mgr.module, parts[:blob["n_params"]])
     sk = blob["optim"]
-    state = {k: {n: (parts[v[1]].clone() if isinstance(v, tuple) and v and v[0] == "__tensor__"
-                     else v) for n, v in st.items()} for k, st in sk["state"].items()}
+    params = [p for g in mgr.optimizer.param_groups for p in g["params"]]
+
+    def value(k, v):
+        if not (isinstance(v, tuple) and v and v[0] == "__tensor__"):
+            return v
+        t = parts[v[1]].clone()
+        if len(v) > 4 and v[4]:   # a DTensor: the local shard back under its parameter's mesh
+            from torch.distributed.tensor import DTensor
+
+            p = params[int(k)]
+            t = DTensor.from_local(t.to(p.to_local().device), p.device_mesh, p.placements,
+                                   shape=p.shape, stride=p.stride(), run_check=False)
+        return t
+
+    state = {k: {n: value(k, v) for n, v in st.items()} for k, st in sk["state"].items()}
     mgr.optimizer.load_state_dict({"state": state, "param_groups": sk["param_groups"]})
 
 

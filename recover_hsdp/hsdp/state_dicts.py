@@ -97,7 +97,8 @@ def load_state_dicts(mgr, state: dict) -> None:
 
 
 def stage(obj):
-    """A CPU copy of a state dict (DCP's own async stager refuses FSDP1's ShardedTensors)."""
+    """A CPU copy of a state dict (DCP's own async stager refuses FSDP1's ShardedTensors;
+    FSDP2's DTensors keep their mesh and placement)."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     quiet_torch_checkpoint_warnings()
@@ -106,6 +107,12 @@ def stage(obj):
                   for sh in obj.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, obj.metadata(), process_group=obj._process_group)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):   # fsdp=2: the local shard copied, the same placement
+        return DTensor.from_local(obj.to_local().detach().to("cpu", copy=True), obj.device_mesh,
+                                  obj.placements, shape=obj.shape, stride=obj.stride(),
+                                  run_check=False)
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

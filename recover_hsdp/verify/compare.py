@@ -11,19 +11,8 @@ from recover_hsdp.verify.spec import RunSpec, VerifyInputError
 
 
 def locate(layout, bucket: int, shard_index: int, pos: int) -> str:
-    """Human name of element ``pos`` of shard ``shard_index`` of flat parameter ``bucket``."""
-    fl = layout[bucket]
-    n = fl.padded_numel // fl.shard_size
-    g = shard_index * n + pos
-    for slot in fl.params:
-        if slot.offset <= g < slot.offset + slot.numel:
-            k, idx = g - slot.offset, []
-            for dim in reversed(slot.shape):
-                idx.append(k % dim)
-                k //= dim
-            return f"{slot.fqn}[{','.join(map(str, reversed(idx)))}]"
-    kind = "padding inside the flat parameter" if g < fl.unpadded_numel else "shard padding"
-    return f"flat{bucket} {kind} (element {g})"
+    """Human name of element ``pos`` of shard ``shard_index`` of bucket ``bucket``."""
+    return layout[bucket].locate(shard_index, pos)
 
 
 class _Comparator:
@@ -32,21 +21,20 @@ class _Comparator:
     def __init__(self, spec: RunSpec, rel_floor: float, all_copies: bool = True):
         import torch
 
-        from recover_hsdp.hsdp.layout import PARAM_PADDING_VALUE, flat_shard_from_full
+        from recover_hsdp.hsdp.layout import PARAM_PADDING_VALUE
 
         self.torch = torch
         self.spec = spec
         self.rel_floor = rel_floor
         self.all_copies = all_copies
         self.pad = PARAM_PADDING_VALUE
-        self.flat_shard_from_full = flat_shard_from_full
         self.last_snapshot = max((s for s in param_steps(spec.run_dir)), default=None)
 
     def expected(self, model, shard_index: int) -> list:
         state = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
         try:
-            shards = self.flat_shard_from_full(state, self.spec.layout, shard_index,
-                                               self.spec.shard_size, pad_value=self.pad)
+            shards = [fl.shard_from_full(state, shard_index, pad_value=self.pad)
+                      for fl in self.spec.layout]
         except (KeyError, ValueError) as e:
             raise VerifyInputError(f"meta.json param_layout does not fit the model built from "
                                    f"config.yaml: {e}") from None
@@ -65,24 +53,20 @@ class _Comparator:
         state = model.state_dict(keep_vars=True)
         with torch.no_grad():
             for i, fl in enumerate(self.spec.layout):
-                full = torch.cat([shards[j][f"flat{i}"].reshape(-1) for j in range(S)])
-                for slot in fl.params:
-                    p = state[slot.fqn]
-                    p.copy_(full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(p))
+                for fqn, t in fl.full_from_shards([shards[j][f"flat{i}"]
+                                                   for j in range(S)]).items():
+                    state[fqn].copy_(t.to(state[fqn]))
         return True
 
     def run_params(self, step: int) -> dict:
         """The run's parameters of ``step`` by fqn (lowest replica's copy of every shard)."""
-        torch = self.torch
         copies = param_copies(self.spec.run_dir, step)
         S = self.spec.shard_size
         shards = [load_params(self.spec.run_dir, step, j, replica=min(copies[j]), check=False)
                   for j in range(S)]
         out = {}
         for i, fl in enumerate(self.spec.layout):
-            full = torch.cat([shards[j][f"flat{i}"].reshape(-1) for j in range(S)])
-            for slot in fl.params:
-                out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            out.update(fl.full_from_shards([shards[j][f"flat{i}"] for j in range(S)]))
         return out
 
     def compare(self, model, step: int, tol: float, rtol: float,

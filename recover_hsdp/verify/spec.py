@@ -71,7 +71,7 @@ class RunSpec:
     mbs: int                    # per-rank micro batch size (sequences)
     seq_len: int
     optim_cfg: Any              # recover_hsdp.optim.OptimConfig (total_steps resolved)
-    layout: list                # list[FlatParamLayout], bucket order
+    layout: list                # FlatParamLayout (fsdp1) / RowShardLayout (fsdp2), bucket order
     data_fingerprint: str | None
     ignored_keys: list = dataclasses.field(default_factory=list)   # config keys not used
     restore_enabled: bool | None = None     # meta.restore_enabled (debug switch), if recorded
@@ -126,7 +126,7 @@ class RunSpec:
             return load_custom_spec(cls, run_dir, record, meta, ints, kind, kind_src)
 
         from recover_hsdp.data import DataConfig, DataConfigError, Tokenizer
-        from recover_hsdp.hsdp.layout import FlatParamLayout
+        from recover_hsdp.hsdp.layout import layout_from_dict
         from recover_hsdp.model import ConfigError, ModelConfig
         from recover_hsdp.optim import OptimConfig, OptimConfigError
 
@@ -170,7 +170,7 @@ class RunSpec:
         if not isinstance(raw_layout, list) or not raw_layout:
             raise VerifyInputError(f"{run_dir}/meta.json: param_layout missing or empty")
         try:
-            layout = [FlatParamLayout.from_dict(d) for d in raw_layout]
+            layout = [layout_from_dict(d) for d in raw_layout]
         except (KeyError, TypeError, ValueError) as e:
             raise VerifyInputError(f"{run_dir}/meta.json: param_layout: {e!r}") from None
         for fl in layout:

@@ -96,7 +96,7 @@ class RankBuild:
             shard_timeout_s=cfg.watchdog.shard_timeout_s, mixed_precision=par.mixed_precision,
             grad_clip=self.optim.clip, max_skipped_steps=self.optim.max_skipped_steps,
             standby=par.standby, replicate_data_plane=par.replicate_data_plane,
-            overlap=par.overlap, **kw)
+            overlap=par.overlap, fsdp=par.fsdp, **kw)
 
     # --- the data --------------------------------------------------------------------------
     def source(self, data_slice: int, width: int):

@@ -25,7 +25,6 @@ def run_worker(cfg: Any) -> int:
 
     ``cfg``: the TrainConfig the launcher validated (or its file, or a DictConfig over it)."""
     from recover_hsdp.faults import FailuresConfig
-    from recover_hsdp.hsdp import fsdp_hybrid as fh
     from recover_hsdp.optim import NonFiniteGradError
     from recover_hsdp.record import RunSummary, StepRecord
     from recover_hsdp.record.params import params_disk
@@ -48,28 +47,26 @@ def run_worker(cfg: Any) -> int:
 
     device = rank_device(run.gpus_per_node, S, run.device)
     mgr = b.manager(model, width=w0, device=device)   # every config keyword: build.py
-    n_buckets = len(fh.grad_shard_names(mgr.module))
+    n_buckets = len(mgr.substrate.bucket_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
     from recover_hsdp.record.params import snapshot_every, snapshots_kept
 
-    shard_bytes = sum(t.numel() * t.element_size() for t in fh.local_flat_shards(mgr.module))
+    shard_bytes = sum(t.numel() * t.element_size()
+                      for t in mgr.substrate.param_shards(mgr.module))
     every = snapshot_every(run.save_params_every, shard_bytes)
     keep_params = snapshots_kept(cfg.checkpoint.keep_params, shard_bytes * W * S)
     recorder = b.recorder(mgr.rank, mgr.replica, mgr.shard_index, params_every=every,
                           params_keep=keep_params)
     mgr.set_failure_schedule(schedule, before_kill=recorder.fault_fired)
     # meta.json must be byte-identical on every rank: describe the layout as seen by shard 0
-    # (flat_shard_from_full derives any shard j from padded_numel and shard_size)
-    layout = []
-    for l in fh.parameter_layout(mgr.module):
-        d = l.to_dict()
-        d.update(shard_index=0, start=0, end=l.padded_numel // l.shard_size)
-        layout.append(d)
+    # (its shard_from_full derives any shard j; hsdp/layout.py)
+    layout = [fl.for_shard0() for fl in mgr.substrate.layout(mgr.module)]
     fp_slice = 0 if mgr.is_standby else mgr.replica % w0   # a standby has no slice until promoted
     fingerprint = b.source(fp_slice, w0).fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
+            **({"fsdp": mgr.substrate.fsdp} if mgr.substrate.fsdp != 1 else {}),
             "policy": cfg.policy.name,
             "restore_enabled": mgr.restore_enabled, "save_params_every": every,
             "keep_params": keep_params, "processes_per_replica": S,
@@ -253,10 +250,8 @@ class ParamSnapshots:
     """
 
     def __init__(self, mgr, recorder):
-        from recover_hsdp.hsdp import fsdp_hybrid as fh
-
         self.mgr, self.recorder = mgr, recorder
-        self._shards = lambda: fh.local_flat_shards(mgr.module)
+        self._shards = lambda: mgr.substrate.param_shards(mgr.module)
         self.cuda = mgr.device is not None and torch.device(mgr.device).type == "cuda"
         self._host: list[torch.Tensor] = []
         self._stream = torch.cuda.Stream(device=mgr.device) if self.cuda else None

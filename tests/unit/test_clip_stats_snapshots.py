@@ -107,8 +107,11 @@ def test_grad_stats_ride_the_end_of_the_consensus_vector():
 # --- snapshots only when due ---------------------------------------------------------------------
 class _Mgr:
     def __init__(self, module):
+        from recover_hsdp.hsdp.substrate import make_substrate
+
         self.module = module
         self.device = None
+        self.substrate = make_substrate(1)
 
 
 def test_param_snapshots_copy_only_the_due_steps(tmp_path, monkeypatch):
