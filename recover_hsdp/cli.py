@@ -25,7 +25,11 @@ def _usage() -> str:
              "commands:"]
     for name, (_, doc) in SUBCOMMANDS.items():
         lines.append(f"  {name:<9} {doc}")
-    lines += ["", "`recover-hsdp <command> --help`: a command's options (it runs nothing)."]
+    lines += ["", "`recover-hsdp <command> --help`: a command's options (it runs nothing).",
+              "exit codes (every command; docs/cli.md):"]
+    from recover_hsdp.exit_codes import table
+
+    lines.append(table())
     return "\n".join(lines)
 
 
@@ -89,9 +93,11 @@ def _fast_exit(rc: int) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    from recover_hsdp import exit_codes
+
     if not argv:                # a usage error: the usage on stderr, exit 2
         print(_usage(), file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -101,18 +107,18 @@ def _main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"recover-hsdp: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
             print(f"recover-hsdp: command {name!r} is not available in this build", file=sys.stderr)
-            return 2
+            return exit_codes.USAGE
         raise
     from recover_hsdp.collectives.errors import exit_on_unavailable
 
-    # no ULFM / no --with-ft / extension missing or built for another torch: one line, exit 3
+    # no ULFM / no --with-ft / extension missing or built for another torch: one line, exit 5
     with exit_on_unavailable(f"recover-hsdp {name}"):
         return int(module.main(rest) or 0)
 

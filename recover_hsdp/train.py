@@ -23,9 +23,7 @@ Hydra never writes into the working directory here: the compose API has no outpu
 logging set-up or chdir. ``hydra_app`` (an importable ``@hydra.main`` app over the same conf/)
 exists for code that wants Hydra's own entry point; conf/config.yaml disables its output dir.
 
-Exit codes: 0 every job committed all run.steps; 1 a job did not (or could not start);
-2 bad flags or config (nothing was started); 3 the run.time_limit_s stopped a job;
-130 interrupted (Ctrl-C / SIGTERM; the job is stopped).
+Exit codes: the one table of every command (recover_hsdp/exit_codes.py, printed by --help).
 """
 from __future__ import annotations
 
@@ -41,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from recover_hsdp import exit_codes
 # the job description, exit codes and mpirun line live below this module and the
 # checkpoint-restart baseline, which both launch jobs (re-exported here for callers)
 from recover_hsdp.launcher.job import (LAUNCHER_DIR, PROG, Job, JobResult,  # noqa: F401
@@ -57,14 +56,18 @@ Compose conf/config.yaml with the overrides, validate it, launch replicas*shard_
 `mpirun --with-ft ulfm`, and report from the run directory.
 
   GROUP=OPTION    model=llama_debug|llama_1b  data=embedded|c4|local  policy=static|adaptive
-                  failures=none|demo|random  debug=default|no_restore
+                  failures=none|demo|random|readme  debug=default|no_restore  optim=adamw|llama
+                  baseline=none|reference|checkpoint_restart  (your own presets: a folder with
+                  model/my_model.yaml, hydra.searchpath=[file:///abs/dir] or RECOVER_HSDP_CONFIG_PATH)
   KEY=VALUE       parallel.replicas=4 parallel.shard_size=2 parallel.grad_accum=2 run.steps=20
                   run.output_dir=runs/x failures.schedule=my_kills.yaml  (all keys: docs/cli.md)
   -m, --multirun  sweep: parallel.replicas=2,4 parallel.shard_size=1,2 runs 4 jobs, one by one
   --dry-run       validate and print the mpirun command of each job; start nothing
   --print-config  print the resolved config of each job (YAML) and exit
 
-exit codes: 0 all steps committed; 1 run failed; 2 bad config; 3 time limit; 130 interrupted"""
+exit codes (the same for every recover-hsdp command; a sweep: 130 if interrupted, 4 if a job was
+preempted, else the code every failed job shares, 1 if they differ):
+{exit_codes.table()}"""
 
 
 class UsageError(Exception):
@@ -284,11 +287,28 @@ def launch_job(job: Job) -> JobResult:
 
 
 
+def mpi_problem(jobs: Sequence[Job]) -> str | None:
+    """None if every job's mpirun is there (and has ULFM where the job needs it), else why."""
+    from recover_hsdp.launcher.command import find_mpirun
+    from recover_hsdp.launcher.mpi_check import mpirun_problem
+
+    for job in jobs:
+        why = mpirun_problem(find_mpirun(job.cfg.run.mpirun), chosen_by="run.mpirun",
+                             ulfm=baseline_name(job.cfg) == "none")
+        if why:
+            return why
+    return None
+
+
 def run_jobs(jobs: Sequence[Job], *, sweep: bool) -> int:
     why = check_worker_available()
     if why:
         print_error(why)
         return EXIT_FAILED
+    why = mpi_problem(jobs)
+    if why:                  # before anything is written: one line naming the fix
+        print_error(why)
+        return exit_codes.UNAVAILABLE
     results = []
     for job in jobs:
         if sweep:

@@ -13,8 +13,10 @@ import contextlib
 import sys
 from typing import Iterator
 
-# Exit status of a user-facing entry point when ULFM is unavailable.
-EXIT_UNAVAILABLE = 3
+from recover_hsdp.exit_codes import UNAVAILABLE
+
+# Exit status of a user-facing entry point when ULFM is unavailable (recover_hsdp/exit_codes.py).
+EXIT_UNAVAILABLE = UNAVAILABLE
 
 # MPI error classes of a peer failure (Open MPI 5 values of MPIX_ERR_PROC_FAILED and
 # MPIX_ERR_REVOKED; the extension exports the values it was compiled with, checked by the tests).
@@ -39,7 +41,8 @@ class UlfmUnavailableError(RuntimeError):
 
 @contextlib.contextmanager
 def exit_on_unavailable(prog: str = "recover-hsdp") -> Iterator[None]:
-    """For entry points: print `<prog>: <message>` on stderr and exit(3) instead of a traceback."""
+    """For entry points: print `<prog>: <message>` on stderr and exit(EXIT_UNAVAILABLE) instead
+    of a traceback."""
     try:
         yield
     except UlfmUnavailableError as e:

@@ -7,13 +7,7 @@ alive by its peers); every replica that logged the same error is a user error (c
 judge_run reads the record for the verdict. Not mpirun's exit code: under ``--with-ft ulfm``
 mpirun exits 0 after ranks were SIGKILLed.
 
-Exit codes (one table for `recover-hsdp train`, `recover-hsdp launch` and the baselines):
-  0    every step committed (train) / a replica's every rank done (launch)
-  1    failed: a job did not finish (or could not start)
-  2    bad flags or config, or the same user error on every replica (nothing useful ran)
-  3    run.time_limit_s stopped a job
-  4    preempted: checkpointed on SIGTERM/SIGUSR1; resume it
-  130  interrupted (Ctrl-C / SIGTERM; the job is stopped)
+Exit codes: the one table of every command, recover_hsdp/exit_codes.py (docs/cli.md).
 """
 from __future__ import annotations
 
@@ -27,12 +21,15 @@ from recover_hsdp.faults.failstop import ERRORS_DIR, RANKS_DIR
 from recover_hsdp.launcher.errors import read_errors as _read_errors  # + its store hook
 from recover_hsdp.launcher.job import PROG, Job, JobResult, baseline_name
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_TIME_LIMIT = 3
-EXIT_PREEMPTED = 4      # stopped on SIGTERM/SIGUSR1 after a checkpoint; resume it
-EXIT_INTERRUPTED = 130
+from recover_hsdp import exit_codes
+
+EXIT_OK = exit_codes.OK
+EXIT_FAILED = exit_codes.FAILED
+EXIT_CONFIG = exit_codes.USAGE
+EXIT_TIME_LIMIT = exit_codes.TIME_LIMIT
+EXIT_PREEMPTED = exit_codes.PREEMPTED      # stopped on SIGTERM/SIGUSR1 after a checkpoint
+EXIT_UNAVAILABLE = exit_codes.UNAVAILABLE  # MPI / ULFM cannot run here
+EXIT_INTERRUPTED = exit_codes.INTERRUPTED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +122,12 @@ def common_error(run_dir: os.PathLike | str, replicas: int, shard_size: int = 1
     first = min(by_replica.values(), key=lambda e: e.get("time") or 0)
     where = f" in {first['where']}" if first.get("where") else ""
     where += f" at step {first['step']}" if first.get("step") is not None else ""
-    code = 2 if all(e.get("exit_code_hint") == 2 for e in by_replica.values()) else 1
+    if first["class"] == "UlfmUnavailableError":     # MPI without ULFM, extension missing
+        code = EXIT_UNAVAILABLE
+    elif all(e.get("exit_code_hint") == EXIT_CONFIG for e in by_replica.values()):
+        code = EXIT_CONFIG                           # the same missing / unreadable input
+    else:
+        code = EXIT_FAILED
     tb = Path(run_dir) / ERRORS_DIR / f"rank{first['rank']}.traceback.txt"
     line = (f"every replica failed with the same error: {first['class']}: {first['message']}"
             f"{where} (rank {first['rank']}; traceback: "
@@ -181,7 +183,7 @@ def judge_run(job: Job, launcher_wall_s: float, stopped: str | None) -> JobResul
         common = common_error(job.run_dir, int(par.replicas), int(par.shard_size))
         if common is not None:
             res.status, res.note = "error", common[0]
-            res.exit_code = EXIT_CONFIG if common[1] == 2 else EXIT_FAILED
+            res.exit_code = common[1]
             return res
     if res.exit_code != EXIT_OK and stopped == "time_limit":
         res.status, res.exit_code = "time_limit", EXIT_TIME_LIMIT
@@ -238,9 +240,8 @@ def overall_exit(results: Sequence[JobResult]) -> int:
         return EXIT_PREEMPTED
     if not codes or all(c == EXIT_OK for c in codes):
         return EXIT_OK
-    if all(c in (EXIT_OK, EXIT_CONFIG) for c in codes):  # the same missing input on every rank
-        return EXIT_CONFIG
-    return EXIT_TIME_LIMIT if all(c in (EXIT_OK, EXIT_TIME_LIMIT) for c in codes) else EXIT_FAILED
+    bad = {c for c in codes if c != EXIT_OK}
+    return bad.pop() if len(bad) == 1 else EXIT_FAILED   # one cause: its code; several: 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +256,7 @@ class LaunchVerdict:
     replicas_lost: list[int] = field(default_factory=list)
     replicas: int = 1
     shard_size: int = 1
+    common: bool = False     # every replica failed with the same error (``line`` says it)
 
 
 def _read(p: Path) -> Optional[dict]:
@@ -313,8 +315,9 @@ def _cause(d: Path, g: int, errs: Optional[dict] = None) -> tuple[str, str]:
 def judge_launch(run_dir: os.PathLike | str, np: int, stopped: Optional[str] = None
                  ) -> LaunchVerdict:
     """0 when every rank of at least one replica exited 0 with its done mark and none of them
-    was judged; 2 when every replica hit the same error (a user error); else 1 (3 / 130 when
-    the time limit / an interrupt stopped a job that had not succeeded)."""
+    was judged; when every replica hit the same error, common_error's code (2 for an input or
+    config error, or -n not the loop's W x S; 5 for ULFM unavailable; else 1), as under `train`;
+    else 1 (3 / 130 when the time limit / an interrupt stopped a job that had not succeeded)."""
     d = Path(run_dir)
     W, S = launch_shape(d, np)
     errs = {e.get("rank"): e for e in read_errors(d)}
@@ -337,11 +340,12 @@ def judge_launch(run_dir: os.PathLike | str, np: int, stopped: Optional[str] = N
         return v
     common = common_error(d, W, S) if W > 1 else common_error(d, np, 1)
     if common is not None:
-        line = common[0]
+        # the same cause, the same code as under `recover-hsdp train` (common_error's)
+        v.line, v.exit_code, v.common = common[0], common[1], True
         size = [e["message"] for e in read_errors(d) if "!= world size" in str(e.get("message"))]
-        if size:
-            line = f"-n {np} is not W x S of the loop ({size[0]}; tracebacks: {d / ERRORS_DIR})"
-        v.exit_code, v.line = EXIT_CONFIG, line
+        if size:            # -n is not the loop's W x S: a usage error
+            v.exit_code = EXIT_CONFIG
+            v.line = f"-n {np} is not W x S of the loop ({size[0]}; tracebacks: {d / ERRORS_DIR})"
         return v
     v.exit_code = {"time_limit": EXIT_TIME_LIMIT, "interrupted": EXIT_INTERRUPTED}.get(
         stopped or "", EXIT_FAILED)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from recover_hsdp import exit_codes
+
 PROG = "recover-hsdp launch"
 
 HELP = f"""usage: {PROG} -n N [--hostfile F] [--run-dir D] [--overwrite] [--hang-timeout S]
@@ -46,14 +48,11 @@ options:
   --time-limit S        stop the job after S seconds
   --mpirun-arg ARG      one more mpirun argument (repeatable)
 
-exit codes:
-  0    every rank of at least one replica exited 0 with its done mark, none of them judged
-       (the replicas lost on the way are reported)
-  1    no replica finished (one line per distinct rank failure cause, tracebacks in errors/)
-  2    bad arguments (no `--`, no such COMMAND, -n not W x S of the loop), or every replica
-       failed with the same error (a user error; one line)
-  3    --time-limit stopped the job first
-  130  interrupted (Ctrl-C / SIGTERM: the job is stopped)
+exit codes: (the table of every recover-hsdp command, recover_hsdp/exit_codes.py)
+{exit_codes.table()}
+  launch's 0: every rank of at least one replica exited 0 with its done mark, none of them
+  judged (the replicas lost on the way are reported); its 2 also: no `--`, no such COMMAND, -n
+  not W x S of the loop
 """
 
 
@@ -172,9 +171,19 @@ def launch(o: Options) -> int:
     from recover_hsdp.launcher.command import base_mpirun_args, exported_vars, find_mpirun
     from recover_hsdp.launcher.command import rank_env
     from recover_hsdp.launcher.judge import EXIT_CONFIG, EXIT_FAILED, judge_launch
+    from recover_hsdp.launcher.mpi_check import mpirun_problem
     from recover_hsdp.launcher.store import default_store_host
     from recover_hsdp.launcher.supervise import Watch, retry_notice, supervise
 
+    mpirun = find_mpirun(os.environ.get("MPIRUN"))
+    if os.environ.get("MPIRUN") and command_problem([mpirun]):   # a wrong path named: usage
+        print(f"{PROG}: error: MPIRUN={mpirun}: {command_problem([mpirun])}", file=sys.stderr,
+              flush=True)
+        return exit_codes.USAGE
+    why = mpirun_problem(mpirun, chosen_by="the MPIRUN environment variable")
+    if why:                 # before anything is written: one line, the command that fixes it
+        print(f"{PROG}: error: {why}", file=sys.stderr, flush=True)
+        return exit_codes.UNAVAILABLE
     run_dir = Path(o.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if not o.run_dir:       # a default name is never an earlier launch's
         base, k = run_dir, 1
@@ -196,7 +205,7 @@ def launch(o: Options) -> int:
         env[ENV_RUN_DIR] = str(run_dir)
         env[ENV_HB_PERIOD] = repr(float(o.heartbeat_s))
         env[ENV_LAUNCH_ID] = uuid.uuid4().hex[:12]
-        cmd = ([find_mpirun(os.environ.get("MPIRUN"))]
+        cmd = ([mpirun]
                + base_mpirun_args(o.np, export=exported_vars(env))
                + (["--hostfile", o.hostfile] if o.hostfile else []) + o.mpirun_args
                + [sys.executable, "-m", "recover_hsdp.launcher.rank", "--", *o.command])
@@ -226,7 +235,7 @@ def launch(o: Options) -> int:
              f"see {ldir / 'output.log'}")
         return EXIT_FAILED
     v = judge_launch(run_dir, o.np, outcome.stopped)
-    if v.exit_code == EXIT_CONFIG:      # the same user error everywhere: one line
+    if v.common:            # the same error everywhere: one line
         print(f"{PROG}: error: {v.line}", file=sys.stderr, flush=True)
     else:
         for c in v.causes:              # one line per distinct rank failure cause
@@ -248,12 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = argv[:argv.index("--")] if "--" in argv else argv
     if not argv or "-h" in own or "--help" in own:
         print(HELP, end="", file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+        return exit_codes.OK if argv else exit_codes.USAGE
     try:
         o = parse(argv)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return exit_codes.USAGE
     return launch(o)
 
 

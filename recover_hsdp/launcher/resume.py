@@ -398,7 +398,7 @@ def run_resilient(job) -> JobResult:
             common = common_error(run_dir, int(cfg.parallel.replicas), int(cfg.parallel.shard_size))
             if common is not None:      # the same error on every replica (a full disk): a
                 res.status, res.note = "error", common[0]   # relaunch would meet it again
-                res.exit_code = EXIT_CONFIG if common[1] == 2 else EXIT_FAILED
+                res.exit_code = common[1]
                 break
             if restarts >= int(cfg.elastic.max_restarts) or resume is None:
                 res.status = "incomplete" if committed else "failed"

@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from recover_hsdp import exit_codes
 from recover_hsdp.tools._args import OneLineParser as _Parser
 from recover_hsdp.tools._args import UsageError as _UsageError
 
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError("--until must be >= 0")
     except _UsageError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     every = args.every or (100 if args.quiet else 1)
     out = sys.stderr if args.json_path == "-" else sys.stdout
 
@@ -153,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             on_header=lambda text: print(text, file=out, flush=True))
     except KeyboardInterrupt:
         print("verify: interrupted", file=sys.stderr)
-        return 130
+        return exit_codes.INTERRUPTED
     except Exception as e:  # noqa: BLE001 - an unexpected failure is still one line, exit 2
         print(f"verify: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_ERROR

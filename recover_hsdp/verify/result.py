@@ -6,7 +6,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+from recover_hsdp import exit_codes
+
+# the table of every command (recover_hsdp/exit_codes.py): a mismatch is FAILED, a run directory
+# that cannot be replayed (not a run, unreadable, bad options) is USAGE
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = exit_codes.OK, exit_codes.FAILED, exit_codes.USAGE
 
 
 @dataclass

@@ -98,13 +98,22 @@ def test_judge_a_rank_that_exited_0_but_was_judged_does_not_count(tmp_path):
     assert "rank 1: exited with code 3" in v.causes[1]
 
 
-def test_judge_the_same_error_on_every_replica_is_exit_2(tmp_path):
+def test_judge_the_same_error_on_every_replica_is_one_line_with_train_s_code(tmp_path):
+    """The same cause, the same code as under `recover-hsdp train` (recover_hsdp/exit_codes.py):
+    a runtime error everywhere is FAILED (1), an input error everywhere USAGE (2)."""
     for g in range(3):
         _plant(tmp_path, g, g, {"signal": 9}, error={"class": "KeyError", "message": "'x'"})
     v = judge.judge_launch(tmp_path, 3)
-    assert v.exit_code == 2 and v.line.startswith("every replica failed with the same error: "
-                                                  "KeyError"), v.line
+    assert v.exit_code == 1 and v.common and v.line.startswith(
+        "every replica failed with the same error: KeyError"), v.line
     assert v.causes == ["ranks 0, 1, 2: KeyError: 'x' (errors/rank0.json, +2 more)"]
+    for g in range(3):
+        _plant(tmp_path / "input", g, g, {"signal": 9},
+               error={"class": "FileNotFoundError", "message": "no such file: 'x.jsonl'"})
+        rec = tmp_path / "input" / "errors" / f"rank{g}.json"
+        rec.write_text(rec.read_text().replace('"exit_code_hint": 1', '"exit_code_hint": 2'))
+    v = judge.judge_launch(tmp_path / "input", 3)
+    assert v.exit_code == 2 and v.common and "FileNotFoundError" in v.line, v.line
 
 
 def test_judge_world_size_mismatch_names_n(tmp_path):

@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "recover_hsdp"
 #: recover_hsdp/__init__.py) is outside the layers: anything may import it, and it imports
 #: lazily (the manager on first use).
 LAYERS: list[tuple[str, ...]] = [
-    ("recover_hsdp.types",),
+    ("recover_hsdp.types", "recover_hsdp.exit_codes"),   # exit_codes: every command's table
     ("recover_hsdp.collectives",),
     ("recover_hsdp.policy",),
     ("recover_hsdp.recovery",),
