@@ -43,6 +43,8 @@ class DataConfig:
     cache_dir: str | None = None         # packed-token cache; None: $RECOVER_HSDP_CACHE or
                                          # ~/.cache/recover_hsdp
     replay_dir: str | None = None        # streaming path: save each microbatch for get(id)
+    position_every: int = 16             # streaming path: save the slice's stream position
+                                         # every N microbatches (0: never; docs/data.md)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -63,6 +65,9 @@ class DataConfig:
             bad(f"hf_path({self.hf_path!r}) must name a dataset when data.source='hf'")
         if not isinstance(self.seed, int) or self.seed < 0:
             bad(f"seed({self.seed!r}) must be a non-negative integer")
+        pe = self.position_every
+        if not isinstance(pe, int) or isinstance(pe, bool) or pe < 0:
+            bad(f"position_every({pe!r}) must be a non-negative integer")
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -106,6 +111,17 @@ class DataConfig:
 
         with open(path) as f:
             return cls.from_dict(yaml.safe_load(f) or {})
+
+
+def require_tokenizer(cfg: DataConfig) -> None:
+    """data.source=hf (C4) trains only with a tokenizer made for its text: the shipped 4096-piece
+    model was trained on public-domain verse and prose. Raised before anything opens the hub."""
+    if cfg.source == "hf" and not cfg.tokenizer:
+        raise DataConfigError(
+            f"data.tokenizer(null): data.source=hf ({cfg.hf_path}) needs a sentencepiece model "
+            f"trained on its text: recover-hsdp tokenizer train --hf-path {cfg.hf_path}"
+            + (f" --hf-name {cfg.hf_name}" if cfg.hf_name else "")
+            + " --documents 100000 --vocab-size 32000 --out tok, then data.tokenizer=tok.model")
 
 
 def check_model_data(model_cfg, data_cfg: DataConfig, vocab_size: int) -> None:

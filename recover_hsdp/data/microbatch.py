@@ -224,7 +224,8 @@ class StreamingMicrobatchSource(_SliceCursor):
 
     def __init__(self, replica: int, w_init: int, micro_batch_size: int, seq_len: int, *,
                  make_dataset: Callable[[], Any], tokenizer: Tokenizer, text_field: str = "text",
-                 dataset_id: str = "", replay_dir: str | Path | None = None, keep: int = 256):
+                 dataset_id: str = "", replay_dir: str | Path | None = None, keep: int = 256,
+                 position_dir: str | Path | None = None, position_every: int = 16):
         super().__init__(replica, w_init, micro_batch_size, seq_len)
         self.make_dataset, self.tokenizer, self.text_field = make_dataset, tokenizer, text_field
         self.dataset_id = dataset_id
@@ -236,6 +237,11 @@ class StreamingMicrobatchSource(_SliceCursor):
         self._ds = None
         self._texts = None
         self._dtype = token_dtype(tokenizer.vocab_size)
+        self.docs_read = 0          # documents taken from the stream by this source (all of them)
+        self.positions = (StreamPositions(position_dir, self.fingerprint, replica)
+                          if position_dir is not None and position_every > 0 else None)
+        self.position_every = int(position_every)
+        self.seeks: list[dict[str, Any]] = []   # how each jump to a far id was made (docs/data.md)
 
     @property
     def fingerprint(self) -> str:
@@ -255,7 +261,9 @@ class StreamingMicrobatchSource(_SliceCursor):
             if self._texts is None:
                 self._texts = iter_texts(self._ds, self.text_field)
             try:
-                return next(self._texts)
+                text = next(self._texts)
+                self.docs_read += 1
+                return text
             except StopIteration:
                 self._ds, self._texts = None, None
                 self.epoch += 1
@@ -263,6 +271,8 @@ class StreamingMicrobatchSource(_SliceCursor):
                            f"(fewer documents than W_init={self.w_init}?)")
 
     def _produce(self) -> tuple[int, np.ndarray]:
+        if self.positions is not None and self.next_k % self.position_every == 0:
+            self.positions.save(self.next_k, self._position)    # a no-op when already saved
         L, m = self.seq_len, self.micro_batch_size
         need = m * L + 1
         while len(self._buffer) < need:
@@ -289,11 +299,17 @@ class StreamingMicrobatchSource(_SliceCursor):
     def tokens(self, mb_id: int) -> np.ndarray:
         if mb_id in self._recent:
             return self._recent[mb_id]
-        if self.owns(mb_id) and mb_id >= self.next_id:
-            while True:
-                got, rows = self._produce()
-                if got == mb_id:
-                    return rows
+        if self.owns(mb_id):
+            k = (mb_id - self.replica) // self.w_init
+            seek = self._reposition(k) if k != self.next_k else None
+            if k >= self.next_k:
+                while True:
+                    got, rows = self._produce()
+                    if got == mb_id:
+                        break
+                if seek is not None:
+                    self._finish_seek(seek)
+                return rows
         if self.replay_dir is not None and self._replay_path(mb_id).exists():
             return np.load(self._replay_path(mb_id))
         raise RandomAccessUnavailable(
@@ -315,6 +331,46 @@ class StreamingMicrobatchSource(_SliceCursor):
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npy")
         np.save(tmp, rows)
         os.replace(tmp, path)
+
+    # -- saved positions: a far id (a promoted standby, a survivor's extension, a resume) -----
+    def _position(self) -> dict[str, Any]:
+        """The stream position at next_k: what load_position restores (no produced batches)."""
+        return {"k": self.next_k, "epoch": self.epoch,
+                "dataset": self._ds.state_dict() if self._ds is not None else None,
+                "buffer": _pack_tokens(self._buffer, self._dtype)}
+
+    def load_position(self, pos: dict[str, Any]) -> None:
+        self.next_k, self.epoch = int(pos["k"]), int(pos["epoch"])
+        self._buffer = _unpack_tokens(pos["buffer"], self._dtype)
+        self._ds, self._texts = None, None
+        if pos["dataset"] is not None:
+            self._ds = self._shard()
+            self._ds.load_state_dict(pos["dataset"])
+
+    def _reposition(self, k: int) -> dict[str, Any] | None:
+        """Before producing slice position k != next_k: start from the nearest saved position at
+        or below k when it is nearer than next_k (or k is behind us). Returns the record of the
+        jump (``seeks``: documents read to reach k are added once k is produced) or None."""
+        pos = self.positions.nearest(k) if self.positions is not None else None
+        ahead = k > self.next_k
+        if pos is not None and (int(pos["k"]) > self.next_k or not ahead):
+            from_k = int(pos["k"])
+            self.load_position(pos)
+            in_file = _in_file_index(pos["dataset"])
+        elif ahead and k - self.next_k >= max(self.position_every, 1):
+            from_k, in_file = self.next_k, 0            # a long read forward, nothing saved
+        else:
+            return None    # a short step forward; or behind us, nothing saved (replay_dir)
+        seek = {"slice": self.replica, "to_k": int(k), "from_k": from_k,
+                "docs_in_file": in_file, "docs_before": self.docs_read}
+        del self.seeks[:-99]
+        self.seeks.append(seek)
+        return seek
+
+    def _finish_seek(self, seek: dict[str, Any]) -> None:
+        seek["docs_read"] = self.docs_read - seek.pop("docs_before")
+        if self.positions is not None:
+            self.positions.log_seek(seek)
 
     def state_dict(self, keep_from_k: int | None = None) -> dict[str, Any]:
         """Resumable position. Produced microbatches with k >= keep_from_k (e.g. the committed
@@ -339,6 +395,110 @@ class StreamingMicrobatchSource(_SliceCursor):
             self._ds.load_state_dict(sd["dataset"])
 
 
+# ------------------------------------------------------------------------- saved stream positions
+def _pack_tokens(tokens: list[int], dtype) -> str:
+    import base64
+
+    return base64.b64encode(np.asarray(tokens, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _unpack_tokens(text: str, dtype) -> list[int]:
+    import base64
+
+    return np.frombuffer(base64.b64decode(text), dtype=dtype).astype(np.int64).tolist()
+
+
+def _in_file_index(state: Any) -> int:
+    """An upper bound on the documents `datasets` re-reads (parses, not tokenizes) inside the
+    current file to restore ``state``: the largest example index of that file it holds."""
+    if isinstance(state, dict):
+        own = [int(v) for key, v in state.items() if key == "shard_example_idx"
+               and isinstance(v, int)]
+        return max(own + [_in_file_index(v) for v in state.values()], default=0)
+    if isinstance(state, (list, tuple)):
+        return max((_in_file_index(v) for v in state), default=0)
+    return 0
+
+
+class StreamPositions:
+    """A slice's stream positions, saved as it is read: ``<dir>/positions/<fp>/slice<s>/
+    k<K>.json`` (the stream's state at slice position K: `datasets`' state_dict, the epoch and
+    the leftover tokens), every ``position_every`` microbatches, by whichever process produces
+    them first (the content is the same in every process: the stream is a pure function of the
+    fingerprint). Any process that can read the directory (a promoted standby, a survivor that
+    computes a lost replica's ids, a resumed job) starts at the nearest one instead of the
+    slice's start. Jumps are appended to ``<dir>/seeks.jsonl`` (what reaching them cost)."""
+
+    def __init__(self, root: str | Path, fingerprint: str, data_slice: int):
+        import hashlib
+
+        self.root = Path(root)
+        fp = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+        self.dir = self.root / "positions" / fp / f"slice{data_slice}"
+        self.fingerprint = fingerprint
+        self._known: set[int] | None = None
+
+    def _path(self, k: int) -> Path:
+        return self.dir / f"k{k:010d}.json"
+
+    def saved(self) -> list[int]:
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n[1:-5]) for n in names if n.startswith("k") and n.endswith(".json"))
+
+    def save(self, k: int, make: Callable[[], dict[str, Any]]) -> None:
+        import json
+
+        path = self._path(k)
+        if path.exists():
+            return
+        pos = {**make(), "fingerprint": self.fingerprint}
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(pos))
+            os.replace(tmp, path)
+        except OSError:
+            pass        # a position is an optimisation: a full disk must not stop training
+
+    def nearest(self, k: int) -> dict[str, Any] | None:
+        """The saved position with the largest K <= k, or None."""
+        import json
+
+        for K in reversed([K for K in self.saved() if K <= k]):
+            try:
+                pos = json.loads(self._path(K).read_text())
+            except (OSError, ValueError):
+                continue        # being replaced, or torn by a crash: take an older one
+            if pos.get("fingerprint") == self.fingerprint and int(pos["k"]) == K:
+                return pos
+        return None
+
+    def log_seek(self, seek: dict[str, Any]) -> None:
+        import json
+
+        line = json.dumps({**seek, "pid": os.getpid()}) + "\n"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / "seeks.jsonl", "a") as f:
+                f.write(line)
+        except OSError:
+            pass
+
+
+def read_seeks(root: str | Path) -> list[dict[str, Any]]:
+    """The jumps logged under a position directory (``<run_dir>/data``): to_k, from_k,
+    docs_read (documents taken from the stream to reach to_k), docs_in_file (bound)."""
+    import json
+
+    path = Path(root) / "seeks.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
 # ------------------------------------------------------------------------------------- factory
 def load_packed_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> PackedCorpus:
     tokenizer = tokenizer or Tokenizer(cfg.tokenizer)
@@ -348,8 +508,14 @@ def load_packed_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> P
 
 
 def build_microbatch_source(cfg: DataConfig, replica: int, w_init: int,
-                            tokenizer: Tokenizer | None = None):
-    """The source for initial replica `replica` of `w_init`, as configured."""
+                            tokenizer: Tokenizer | None = None, *,
+                            position_dir: str | Path | None = None):
+    """The source for initial replica `replica` of `w_init`, as configured. ``position_dir``
+    (the trainer: ``<run_dir>/data``): where a streaming source saves and finds its slice's
+    stream positions (StreamPositions); None: none (every jump reads from the slice's start)."""
+    from .config import require_tokenizer
+
+    require_tokenizer(cfg)
     tokenizer = tokenizer or Tokenizer(cfg.tokenizer)
     if cfg.random_access:
         return MicrobatchSource(replica, w_init, cfg.micro_batch_size, cfg.seq_len,
@@ -370,4 +536,5 @@ def build_microbatch_source(cfg: DataConfig, replica: int, w_init: int,
     return StreamingMicrobatchSource(replica, w_init, cfg.micro_batch_size, cfg.seq_len,
                                      make_dataset=make, tokenizer=tokenizer,
                                      text_field=cfg.text_field, dataset_id=dataset_id,
-                                     replay_dir=cfg.replay_dir)
+                                     replay_dir=cfg.replay_dir, position_dir=position_dir,
+                                     position_every=cfg.position_every)

@@ -12,6 +12,8 @@ per rank. Checked here, it is one line and exit code 2 in a few seconds:
   name resolution + connect, at most :data:`PROBE_TIMEOUT_S` seconds
   (``RECOVER_HSDP_HUB_PROBE_S`` overrides; 0 skips the probe). A local dataset directory as
   ``data.hf_path`` is not probed.
+* ``data.source=hf`` without ``data.tokenizer`` is refused first (config.require_tokenizer),
+  before the hub is probed.
 * ``data.tokenizer`` is checked by ``recover_hsdp.config.validate`` (exists, loads).
 
 Every check raises :class:`InputUnavailable` (a DataConfigError: the config is wrong for this
@@ -122,4 +124,10 @@ def check_inputs(data: Any, env: Optional[Mapping[str, str]] = None) -> None:
     if data.source == "local":
         check_local_files(data.paths)
     elif data.source == "hf":
+        from .config import require_tokenizer
+
+        try:
+            require_tokenizer(data)          # before the hub is touched
+        except DataConfigError as e:
+            raise InputUnavailable(str(e)) from None
         check_hub(data, env)

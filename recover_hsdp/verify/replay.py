@@ -129,10 +129,7 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
     tokenizer = Tokenizer(spec.data_cfg.tokenizer) if custom is None else None
     sources: dict[int, Any] = {}
 
-    def source(replica: int):
-        # A random-access source's get(id) is a pure function of id (docs/data.md), so one
-        # source serves every replica; a streaming one needs the replica's own (replay_dir).
-        key = 0 if spec.data_cfg.random_access else replica
+    def build(key: int):
         if key not in sources:
             try:
                 sources[key] = build_microbatch_source(spec.data_cfg, key, spec.w_init, tokenizer)
@@ -141,9 +138,18 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                                        ) from None
         return sources[key]
 
+    by_slice = _BySlice(build, spec.w_init)
+
+    def source(replica: int):
+        # A random-access source's get(id) is a pure function of id (docs/data.md), so one
+        # source serves every replica. A streaming run is re-derived: each id from its slice's
+        # stream (id % W_init; whichever replica computed it), read in order from the slice's
+        # start (the run's saved positions are not used: the replay checks them).
+        return build(0) if spec.data_cfg.random_access else by_slice
+
     if custom is not None:
         source = custom.source
-    fp = source(0).fingerprint if custom is None else custom.fingerprint
+    fp = build(0).fingerprint if custom is None else custom.fingerprint
     if spec.data_fingerprint is None:
         note("meta.json has no data_fingerprint: the data cannot be checked to be the run's")
     elif fp != spec.data_fingerprint:
@@ -404,3 +410,13 @@ def _verify(run_dir: Path, result: VerifyResult, note, opt: VerifyOptions, *, on
                       + (f"  grad-norm={result.steps_grad_norm} steps, max |diff|/bound "
                          f"{_fmt(result.max_grad_norm)}" if result.steps_grad_norm else "")
                       + partial)
+
+
+class _BySlice:
+    """get(id) of a streaming run: from the source of the id's initial slice (id % W_init)."""
+
+    def __init__(self, build, w_init: int):
+        self.build, self.w_init = build, int(w_init)
+
+    def get(self, mb_id: int):
+        return self.build(int(mb_id) % self.w_init).get(mb_id)

@@ -104,8 +104,10 @@ class RankBuild:
         from recover_hsdp.data import build_microbatch_source
 
         key = (int(data_slice), int(width))
-        if key not in self._sources:
-            self._sources[key] = build_microbatch_source(self.data, int(data_slice), int(width))
+        if key not in self._sources:   # a stream's positions live in the run (docs/data.md)
+            self._sources[key] = build_microbatch_source(
+                self.data, int(data_slice), int(width), self.tokenizer,
+                position_dir=None if self.data.random_access else self.run_dir / "data")
         return self._sources[key]
 
     def microbatch_fn(self, width: int) -> Callable[[int, int], Any]:

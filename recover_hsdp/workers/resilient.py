@@ -46,7 +46,13 @@ def run_worker(cfg: Any) -> int:
     w0 = _source_width(W)       # sources by INITIAL slice (a resume may change W)
 
     device = rank_device(run.gpus_per_node, S, run.device)
+    n_params = sum(p.numel() for p in model.parameters())   # as built (tied: counted once)
     mgr = b.manager(model, width=w0, device=device)   # every config keyword: build.py
+    if _is_logger(mgr):
+        tok = b.data.tokenizer or "the embedded tokenizer"
+        print(f"model {getattr(cfg.model, 'name', '?')}: {n_params:,} parameters as built "
+              f"({n_params / 1e6:.2f} M; vocab {b.model_cfg.vocab_size} from {tok}; data "
+              f"{b.data.source}{'' if b.data.random_access else ', streamed'})", flush=True)
     n_buckets = len(mgr.substrate.bucket_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
@@ -66,7 +72,7 @@ def run_worker(cfg: Any) -> int:
     fingerprint = b.source(fp_slice, w0).fingerprint
     meta = {"w_init": W, "g_init": G, "B": W * G, "shard_size": S, "seed": seed,
             "torch": torch.__version__, "data_fingerprint": fingerprint, "param_layout": layout,
-            **({"fsdp": mgr.substrate.fsdp} if mgr.substrate.fsdp != 1 else {}),
+            **mgr.substrate.describe(mgr.module),   # fsdp=2: what was built
             "policy": cfg.policy.name,
             "restore_enabled": mgr.restore_enabled, "save_params_every": every,
             "keep_params": keep_params, "processes_per_replica": S,

@@ -156,6 +156,11 @@ def test_same_id_same_tensors_in_another_process_and_offline_hub_error(cfg, tok)
         print(h.hexdigest())
         try:
             build_microbatch_source(DataConfig(source="hf"), replica=0, w_init=2)
+        except DataConfigError as e:
+            print("TOK", str(e))
+        try:
+            build_microbatch_source(DataConfig(source="hf", tokenizer=str(EMBEDDED_TOKENIZER)),
+                                    replica=0, w_init=2)
         except DataSourceUnavailable as e:
             print("ERR", str(e))
     """)
@@ -167,6 +172,8 @@ def test_same_id_same_tensors_in_another_process_and_offline_hub_error(cfg, tok)
     err = [ln for ln in out if ln.startswith("ERR ")]
     assert len(err) == 1 and "cannot stream allenai/c4/en split 'train'" in err[0]
     assert "data.source=embedded" in err[0]
+    tok_err = [ln for ln in out if ln.startswith("TOK ")]     # no tokenizer: refused first
+    assert len(tok_err) == 1 and tok_err[0].startswith("TOK data.tokenizer(null)")
 
 
 def test_exact_resume_from_state(packed):

@@ -55,7 +55,10 @@ SUBPROCESS_CASES = {
     # inputs every rank needs are checked by the launcher (one line, exit 2, fast);
     # the hub is made unreachable by HF_ENDPOINT below (connection refused, no 30 s retries);
     # missing files: test_missing_inputs_refused_before_launch (in process, same error path)
-    "hub": (["data=c4"], "the Hugging Face hub, which is not reachable from this machine"),
+    "hub": (["data=c4", f"data.tokenizer={ROOT}/recover_hsdp/data/embedded/tokenizer.model"],
+            "the Hugging Face hub, which is not reachable from this machine"),
+    # C4 without a tokenizer trained for it: refused before the hub is touched
+    "c4_tokenizer": (["data=c4"], "data.tokenizer(null): data.source=hf"),
 }
 
 
