@@ -55,6 +55,13 @@ class CustomRunRecord:
         if self.first_step > 0:          # after mgr.load: a resumed launch, a new segment
             self.segment = self._resume_segment()
         else:
+            # committed lines already there: another run (no rank of THIS launch has committed
+            # one yet: step 0's collectives come after every rank's record_run)
+            old = [p for p in (self.run_dir / "steps").glob("rank*.jsonl") if p.stat().st_size]
+            if old:
+                raise RecordError(f"{self.run_dir} already holds a run record ({len(old)} step "
+                                  f"files): resume it (mgr.load before record_run) or use a "
+                                  f"new run directory")
             self.recorder.start(self._meta(fh, params_every, seed),
                                 {"custom": parts.ref, **dict(config or {})},
                                 self._schedule())

@@ -5,8 +5,8 @@ the survivors commit every step, the loop's one `record_run` call writes the run
 replays every step: OK, each step compared. The check can fail: a parameter snapshot changed by
 1e-2 fails at its step (exit 1); a record whose factory arguments give other data is refused
 (exit 2, the fingerprint). Then the run is resumed from its newest checkpoint at another width
-(W=4 x S=1, B kept) and two more steps, and verify replays the two segments as one run. The
-streaming source (ids -> each slice's stream) is run, killed and verified the same way."""
+(W=4 x S=1, B kept) and two more steps, and verify replays the two segments as one run; a fresh
+start into that directory is refused in one line (non-zero exit). The streaming source (ids -> each slice's stream) is run, killed and verified the same way."""
 from __future__ import annotations
 
 import json
@@ -123,6 +123,14 @@ def test_example_killed_under_launch_verifies_then_resumes_wider(tmp_path, deadl
     assert "2 segments (resumed at steps [6]); verified as one run" in vtext, vtext[-4000:]
     assert re.search(r"^verify: OK  steps=8 ", vtext, re.M), vtext[-4000:]
     assert re.search(r"^step 7: .*(ok|replayed) \(", vtext, re.M), vtext[-4000:]
+
+    # a fresh start into the same directory (no --resume) is refused in one line, record intact
+    lines = (out / "steps" / "rank0.jsonl").read_text()
+    p, text = _launch(tmp_path, out, 4, ["--kill", "none"], deadline, overwrite=True)
+    assert p.returncode != 0, text[-4000:]   # the launcher's code for a user error (cli.md)
+    errs = [ln for ln in p.stderr.splitlines() if ln.startswith("recover-hsdp launch: error:")]
+    assert len(errs) == 1 and "already holds a run record" in errs[0], text[-4000:]
+    assert (out / "steps" / "rank0.jsonl").read_text() == lines
 
 
 @pytest.mark.timeout(600)
