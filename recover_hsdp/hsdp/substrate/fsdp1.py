@@ -17,6 +17,10 @@ class Fsdp1Substrate:
         return fh.wrap_hybrid_shard(model, shard_pg, auto_wrap_policy=auto_wrap_policy,
                                     device=device, topology=topology, mixed_precision=mp)
 
+    def describe(self, module) -> dict:
+        """What meta.json records of the substrate: nothing (the default since the start)."""
+        return {}
+
     def accumulator(self, module):
         from recover_hsdp.hsdp.buckets import MicrobatchAccumulator
 

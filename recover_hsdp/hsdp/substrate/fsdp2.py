@@ -224,6 +224,16 @@ class Fsdp2Substrate:
             raise TypeError("not a module wrapped by the fsdp=2 substrate")
         return bs
 
+    def describe(self, module) -> dict:
+        """meta.json's record of what was built: the FSDPModules and (none) FSDP1 flat params."""
+        from torch.distributed.fsdp._flat_param import FlatParameter
+
+        return {"fsdp": 2, "fsdp2": {
+            "fsdp_modules": len(fsdp_modules(module)),
+            "flat_parameters": sum(isinstance(p, FlatParameter) for p in module.parameters()),
+            "dtensor_parameters": sum(type(p).__name__ == "DTensor" or hasattr(p, "to_local")
+                                      for p in module.parameters())}}
+
     def accumulator(self, module):
         return BucketAccumulator(self, module)
 
