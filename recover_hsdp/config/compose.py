@@ -35,17 +35,50 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=ComposeSchema)
 
 
+#: Folders of the user's own presets (``model/my_model.yaml``, ``data/my_data.yaml``, ...),
+#: ``os.pathsep``-separated, searched after the package's conf/ (docs/cli.md, "Your own presets").
+#: The same as Hydra's ``hydra.searchpath=[file:///abs/dir]`` override, which wins when given.
+ENV_CONFIG_PATH = "RECOVER_HSDP_CONFIG_PATH"
+_SEARCHPATH = "hydra.searchpath="
+
+
+def searchpath_overrides(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with the user's preset folders: ``hydra.searchpath=[...]`` from
+    RECOVER_HSDP_CONFIG_PATH unless the overrides give one; every ``file://`` folder named
+    either way must exist (Hydra would skip a missing one without a word)."""
+    import re
+
+    overrides = list(overrides)
+    given = [o for o in overrides if o.lstrip("+~").startswith(_SEARCHPATH)]
+    if not given and os.environ.get(ENV_CONFIG_PATH):
+        dirs = [d for d in os.environ[ENV_CONFIG_PATH].split(os.pathsep) if d]
+        for d in dirs:
+            if not Path(d).is_dir():
+                raise TrainConfigError(f"{ENV_CONFIG_PATH}({d!r}): no such directory")
+        quoted = ",".join("'file://" + str(Path(d).resolve()).replace("\\", "\\\\")
+                          .replace("'", "\\'") + "'" for d in dirs)
+        return [f"{_SEARCHPATH}[{quoted}]", *overrides]
+    for o in given:
+        for d in re.findall(r"file://([^,\]'\"]+)", o):
+            if not Path(d).is_dir():
+                raise TrainConfigError(f"hydra.searchpath: file://{d}: no such directory")
+    return overrides
+
+
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """conf/config.yaml + ``overrides`` -> the composed (unresolved) config.
 
-    Uses Hydra's compose API (no output directory, no logging set-up, no chdir).
-    Raises TrainConfigError with one line for anything Hydra or OmegaConf refuses.
+    Uses Hydra's compose API (no output directory, no logging set-up, no chdir). The user's
+    preset folders (``hydra.searchpath=[file:///dir]`` or RECOVER_HSDP_CONFIG_PATH) are searched
+    after the package's conf/. Raises TrainConfigError with one line for anything Hydra or
+    OmegaConf refuses.
     """
     from hydra import compose, initialize_config_dir
 
     from recover_hsdp.config.legacy import move_old_keys, notice_stderr
 
     register_configs()
+    overrides = searchpath_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3",
                                    job_name="recover_hsdp_train"):
@@ -91,7 +124,8 @@ def hydra_error_line(e: BaseException, overrides: Sequence[str] = ()) -> str:
         group, _, option = str(missing).rpartition("/")
         if group and options is not None:
             return (f"{group}={option}: no such {group} config (available: "
-                    f"{', '.join(sorted(options))})")
+                    f"{', '.join(sorted(options))}); your own: {group}/{option}.yaml in a "
+                    f"folder named by {ENV_CONFIG_PATH} or hydra.searchpath=[file:///abs/dir]")
         return one_line(str(e).split("Config search path")[0])
     if isinstance(e, OverrideParseException):
         return f"cannot parse override: {one_line(e)}"
