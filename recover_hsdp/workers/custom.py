@@ -123,6 +123,8 @@ class CustomRunRecord:
                 "replicas": int(self.mgr.policy.w_init), "shard_size": self.mgr.S,
                 "cursors": {str(s): int(v["cursor"]) for s, v in slices.items()}})
         self.recorder.resume_segment(seg)
+        if ck is not None:
+            ck.segment = seg         # the checkpoints this launch saves say so (state.json)
         import json
 
         try:
