@@ -101,3 +101,38 @@ def test_data_slices_is_the_first_launch_width(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"w_init": 0}))
     with pytest.raises(RecordError, match="w_init=0"):
         data_slices(tmp_path, default=4)
+
+
+def test_the_replay_reads_the_loops_optimizer_and_lr():
+    """verify/custom.py: the strict check's view (AdamW / plain SGD, else none); the lr is the
+    loop's lr_fn, or the optimizer's own (left alone: no set_lr)."""
+    import torch
+
+    from recover_hsdp.verify.custom import CustomReplay
+
+    m = torch.nn.Linear(2, 2)
+
+    def view(opt, **kw):
+        parts = CustomParts(model=lambda: m, optimizer_factory=lambda mod: opt,
+                            loss_fn=None, microbatch=None, **kw)
+        r = CustomReplay(parts, {"factory": "x:y"})
+        r.optimizer(m)
+        return r, r.optim_view(opt)
+
+    r, v = view(torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.8, 0.9), eps=1e-6),
+                grad_clip=1.0)
+    assert (v.name, v.betas, v.eps, v.clip, r.strict_ok) == ("adamw", (0.8, 0.9), 1e-6, 1.0, True)
+    assert r.lr_at(5) == 1e-3
+    calls = []
+    r.set_lr(lambda o, lr: calls.append(lr))(None, 0.5)
+    assert calls == []                            # no lr_fn: the optimizer's lr is kept
+    assert view(torch.optim.SGD(m.parameters(), lr=0.1))[1].name == "sgd"
+    for opt in (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                torch.optim.Adam(m.parameters()),
+                torch.optim.AdamW(m.parameters(), amsgrad=True)):
+        r, v = view(opt)
+        assert v.name == "custom" and not r.strict_ok, type(opt).__name__
+    r, _ = view(torch.optim.SGD(m.parameters(), lr=0.1), lr_fn=lambda s: 0.01 * s)
+    assert r.lr_at(3) == pytest.approx(0.03)
+    r.set_lr(lambda o, lr: calls.append(lr))(None, 0.5)
+    assert calls == [0.5]
