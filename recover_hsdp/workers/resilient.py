@@ -43,6 +43,7 @@ def run_worker(cfg: Any) -> int:
     torch.set_num_threads(run.omp_num_threads)
 
     model = b.model()
+    n_params = sum(p.numel() for p in model.parameters())     # as built, before sharding
     w0 = _source_width(W)       # sources by INITIAL slice (a resume may change W)
 
     device = rank_device(run.gpus_per_node, S, run.device)
@@ -99,6 +100,11 @@ def run_worker(cfg: Any) -> int:
         failstop.mark_done()
         os._exit(0)
     log_every = run.log_every
+    from recover_hsdp.workers.progress import Progress, flops_per_token, peak_flops
+
+    mc = b.model_cfg
+    prog = Progress(steps, mgr.step, flops_per_token(n_params, mc.n_layers, mc.d_model,
+                                                     par.seq_len), peak_flops(mgr.device))
     t_start = time.perf_counter()
     tokens = 0
     last = None
@@ -113,10 +119,12 @@ def run_worker(cfg: Any) -> int:
             failstop.mark_done()            # every rank stops here alike (an agreed flag)
             os._exit(1)
         tokens += mt.tokens
+        el = time.perf_counter() - t_start
+        # lr, grad norm (finite only), ETA, MFU where the device's peak is known (progress.py)
+        pf = prog.fields(mt.step, mgr.optimizer.param_groups[0]["lr"], mt.grad_norm, tokens, el,
+                         len(mt.alive) * S)
         local = {"wall_s": round(mt.wall_s, 6), "rank": mgr.rank, **step_resources(),
-                 "bucket_epochs": mgr.orch.bucket_epochs()}
-        if mt.grad_norm is not None and math.isfinite(mt.grad_norm):
-            local["grad_norm"] = mt.grad_norm
+                 "bucket_epochs": mgr.orch.bucket_epochs(), **pf}
         if mgr.overlap.enabled:   # buckets posted from inside a backward so far (overlap)
             local["posted_early"] = mgr.overlap.posted_early
         if mgr.orch.iteration_log.exposed_s:   # end of the loop -> every bucket reduced (s)
@@ -143,6 +151,9 @@ def run_worker(cfg: Any) -> int:
                 tb.add_scalar("loss", mt.loss, mt.step)
                 tb.add_scalar("alive_replicas", len(mt.alive), mt.step)
                 tb.add_scalar("tokens_per_s", mt.tokens / mt.wall_s if mt.wall_s else 0.0, mt.step)
+                for k in ("lr", "grad_norm", "mfu"):
+                    if k in pf:
+                        tb.add_scalar(k, pf[k], mt.step)
                 tb.flush()
         if _is_logger(mgr) and (step % log_every == 0 or mt.failures or mt.standbys_lost
                                 or step == steps - 1):
@@ -151,9 +162,8 @@ def run_worker(cfg: Any) -> int:
                 ev += " | lost replicas " + ",".join(str(r) for f in mt.failures
                                                    for r in f["replicas"])
                 ev += f" -> {'/'.join(mt.restore_modes)}" + (" (boundary)" if mt.boundary else "")
-            el = time.perf_counter() - t_start
-            print(f"step {mt.step:5d}  loss {mt.loss:7.4f}  tok/s {tokens / el:9.0f}  "
-                  f"alive {len(mgr.policy.alive)}/{W}  G {mgr.policy.layout.g}{ev}", flush=True)
+            print(prog.line(mt.step, mt.loss, pf, mt.grad_norm, tokens / el,
+                            f"{len(mgr.policy.alive)}/{W}", mgr.policy.layout.g) + ev, flush=True)
         if mgr.standby and step < steps - 1:
             with failstop.long_phase("rejoin heal", CKPT_SAVE_BOUND_S):   # moves a state
                 j = mgr.join_step()                # a standby into a lost slot (rejoin.md)
