@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=2, help="checkpoint every N steps (0: off)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--stream", action="store_true", help="the streaming data source")
+    p.add_argument("--fsdp", type=int, default=1, choices=(1, 2),
+                   help="1: FSDP1 HYBRID_SHARD; 2: fully_shard over the shard group")
     p.add_argument("--kill", default="3", help="step at which the last rank SIGKILLs itself "
                                                "in the reduction ('none': no kill)")
     p.add_argument("--run-dir", default=None,
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         loss_fn=parts.loss_fn, lr_fn=parts.lr_fn, grad_clip=parts.grad_clip,
         replicas=a.replicas, shard_size=a.shard_size, grad_accum=B0 // a.replicas,
         auto_wrap_policy=fsdp_wrap_policy(),   # one FSDP unit (a gradient bucket) per block
-        mixed_precision="fp32")     # bf16 custom loops are not replayed by verify yet
+        mixed_precision="fp32",     # bf16 custom loops are not replayed by verify yet
+        fsdp=a.fsdp)
     mgr.checkpointer(run_dir)       # every rank, before any failure (makes DCP's groups)
     if a.resume:
         st = mgr.load(run_dir)      # newest complete checkpoint; W / S may differ, B kept

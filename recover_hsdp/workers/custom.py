@@ -28,7 +28,6 @@ class CustomRunRecord:
 
     def __init__(self, mgr, run_dir, parts, *, params_every: int = 1,
                  config: Optional[Mapping] = None, seed: int = 0):
-        from recover_hsdp.hsdp import fsdp_hybrid as fh
         from recover_hsdp.record import RecordError, RunRecorder
         from recover_hsdp.workers.resilient import ParamSnapshots
 
@@ -62,7 +61,7 @@ class CustomRunRecord:
                 raise RecordError(f"{self.run_dir} already holds a run record ({len(old)} step "
                                   f"files): resume it (mgr.load before record_run) or use a "
                                   f"new run directory")
-            self.recorder.start(self._meta(fh, params_every, seed),
+            self.recorder.start(self._meta(params_every, seed),
                                 {"custom": parts.ref, **dict(config or {})},
                                 self._schedule())
             self.snaps.save_initial()
@@ -76,18 +75,12 @@ class CustomRunRecord:
         mgr.train_step = self.train_step
 
     # --- what the record holds ---------------------------------------------------------------
-    def _meta(self, fh, params_every: int, seed: int) -> dict:
+    def _meta(self, params_every: int, seed: int) -> dict:
         import torch
 
         mgr, pol = self.mgr, self.mgr.policy
-        layout = []
-        for fl in fh.parameter_layout(mgr.module):   # as seen by shard 0: identical everywhere
-            if hasattr(fl, "for_shard0"):
-                layout.append(fl.for_shard0())
-                continue
-            d = fl.to_dict()
-            d.update(shard_index=0, start=0, end=fl.padded_numel // fl.shard_size)
-            layout.append(d)
+        sub = mgr.substrate        # FSDP1 or FSDP2 (hsdp/substrate): its buckets' layout
+        layout = [fl.for_shard0() for fl in sub.layout(mgr.module)]   # identical everywhere
         mp = mgr.mixed_precision
         return {"w_init": int(pol.w_init), "g_init": int(pol.g_init), "B": int(pol.B),
                 "shard_size": mgr.S, "seed": int(seed), "torch": torch.__version__,
@@ -98,7 +91,7 @@ class CustomRunRecord:
                 **({"standby": mgr.standby} if mgr.standby else {}),
                 "mixed_precision": mp if isinstance(mp, str) else "custom",
                 "device": mgr.device.type, "deterministic": mgr.deterministic,
-                "mode": "resilient", "custom": self.parts.ref}
+                "mode": "resilient", **sub.describe(mgr.module), "custom": self.parts.ref}
 
     def _schedule(self) -> list:
         return [e.to_dict() for e in getattr(self.mgr.injector, "schedule_entries", ())]

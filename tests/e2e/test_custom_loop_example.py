@@ -134,11 +134,16 @@ def test_example_killed_under_launch_verifies_then_resumes_wider(tmp_path, deadl
 
 
 @pytest.mark.timeout(600)
-def test_streaming_source_killed_under_launch_verifies(tmp_path, deadline):
+@pytest.mark.parametrize("flag", ["--stream", "--fsdp=2"])
+def test_streaming_source_or_fsdp2_killed_under_launch_verifies(tmp_path, deadline, flag):
     out = tmp_path / "run"
-    p, text = _launch(tmp_path, out, 4, ["--stream", "--save-every", "0"], deadline)
+    p, text = _launch(tmp_path, out, 4, [flag, "--save-every", "0"], deadline)
     _killed_and_finished(p, text, out)
-    assert json.loads((out / "meta.json").read_text())["custom"]["kwargs"]["stream"] is True
+    meta = json.loads((out / "meta.json").read_text())
+    if flag == "--stream":
+        assert meta["custom"]["kwargs"]["stream"] is True
+    else:
+        assert meta["fsdp"] == 2 and meta["fsdp2"]["flat_parameters"] == 0, meta.get("fsdp2")
     v, vtext = _verify(tmp_path, out, deadline)
     assert v.returncode == 0, vtext[-4000:]
     assert _steps_ok(vtext) == list(range(6)), vtext[-4000:]
