@@ -451,14 +451,16 @@ class TrainerCheckpointing(ResilientCheckpointer):
             self.mgr.exit_replica_lost(e)
 
     def params_comparable(self) -> bool:
-        """Whether this segment's parameter snapshots have meta.json's layout (same S)."""
+        """Whether this segment's parameter snapshots have meta.json's layout (same S, same
+        substrate: parallel.fsdp); if not, verify anchors this segment at its checkpoints."""
         import json
 
         try:
             meta = json.loads((self.run_dir / "meta.json").read_text())
         except (OSError, ValueError):
             return False
-        return int(meta.get("shard_size", -1)) == self.mgr.S
+        return (int(meta.get("shard_size", -1)) == self.mgr.S
+                and int(meta.get("fsdp", 1)) == self.mgr.substrate.fsdp)
 
     def summary(self) -> dict:
         """What summary.json says of checkpoints: saves, retention and the disk they use."""

@@ -281,13 +281,37 @@ class Fsdp2Substrate:
 
         return StateDictOptions(full_state_dict=False, cpu_offload=False)
 
+    def _init_optim_state(self, mgr) -> None:
+        """torch's ``_init_optim_state`` does nothing when grads exist, and ours always do (views
+        into the buckets): so the empty state of a fresh optimizer (before a load) is made here
+        the same way, one step at lr 0 over zero gradients, the buckets kept as they were."""
+        opt = mgr.optimizer
+        if opt.state:
+            return
+        buckets = self.buckets(mgr.module)
+        saved = [b.clone() for b in buckets]
+        lrs = [g.get("lr") for g in opt.param_groups]
+        with torch.no_grad():
+            for b in buckets:
+                b.zero_()
+            for g in opt.param_groups:
+                if "lr" in g:
+                    g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+            try:
+                opt.step()
+            finally:
+                for g, lr in zip(opt.param_groups, lrs):
+                    if lr is not None:
+                        g["lr"] = lr
+                for b, v in zip(buckets, saved):
+                    b.copy_(v)
+
     def state_dicts(self, mgr) -> dict:
-        from torch.distributed.checkpoint.state_dict import (_init_optim_state,
-                                                             get_model_state_dict,
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                              get_optimizer_state_dict)
 
         model = get_model_state_dict(mgr.module, options=self._options())
-        _init_optim_state(mgr.optimizer)
+        self._init_optim_state(mgr)
         optim = get_optimizer_state_dict(mgr.module, mgr.optimizer, options=self._options())
         return {"model": model, "optim": optim}
 
