@@ -479,7 +479,9 @@ class StreamPositions:
     def log_seek(self, seek: dict[str, Any]) -> None:
         import json
 
-        line = json.dumps({**seek, "pid": os.getpid()}) + "\n"
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK")     # under mpirun: the global rank
+        line = json.dumps({**seek, "pid": os.getpid(),
+                           "rank": int(rank) if rank and rank.isdigit() else None}) + "\n"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(self.root / "seeks.jsonl", "a") as f:

@@ -99,26 +99,46 @@ def _split_long(line: str, limit: int) -> Iterator[str]:
         yield line
 
 
-def training_sentences(paths: Sequence[str | Path], text_field: str = "text",
-                       max_lines: int | None = None) -> Iterator[str]:
-    """Non-empty lines of every document, long ones cut, in file order (deterministic)."""
-    n = 0
+def stream_texts(hf_path: str, hf_name: str | None, split: str, text_field: str = "text"
+                 ) -> Iterator[str]:
+    """Documents of a dataset streamed by `datasets` in its order: a hub dataset (allenai/c4)
+    or a local directory laid out as the hub's (README.md configs + json.gz / parquet shards)."""
+    from .documents import iter_texts as _dataset_texts, open_hf_dataset
+
+    yield from _dataset_texts(open_hf_dataset(hf_path, hf_name, split), text_field)
+
+
+def _documents(paths: Sequence[str | Path], text_field: str) -> Iterator[str]:
     for path in paths:
-        for text in iter_texts(path, text_field):
-            for line in text.split("\n"):
-                if not line.strip():
-                    continue
-                for s in _split_long(line, _MAX_SENTENCE_BYTES):
-                    yield s
-                    n += 1
-                    if max_lines is not None and n >= max_lines:
-                        return
+        yield from iter_texts(path, text_field)
+
+
+def training_sentences(paths: Sequence[str | Path], text_field: str = "text",
+                       max_lines: int | None = None, *, documents: int | None = None,
+                       texts: Iterable[str] | None = None) -> Iterator[str]:
+    """Non-empty lines of the first ``documents`` documents (all: None) of ``texts`` (default:
+    the files' documents in file order), long lines cut; deterministic."""
+    n = 0
+    texts = _documents(paths, text_field) if texts is None else texts
+    for d, text in enumerate(texts):
+        if documents is not None and d >= documents:
+            return
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            for s in _split_long(line, _MAX_SENTENCE_BYTES):
+                yield s
+                n += 1
+                if max_lines is not None and n >= max_lines:
+                    return
 
 
 def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_prefix: str | Path, *,
                     model_type: str = "bpe", text_field: str = "text",
-                    max_lines: int | None = None, num_threads: int = 2) -> Path:
-    """Train a sentencepiece model on `inputs`; writes `<out_prefix>.model`, returns its path."""
+                    max_lines: int | None = None, num_threads: int = 2,
+                    documents: int | None = None, texts: Iterable[str] | None = None) -> Path:
+    """Train a sentencepiece model on `inputs` (or on ``texts``, e.g. stream_texts(...)), the
+    first ``documents`` documents only when given; writes `<out_prefix>.model`, returns it."""
     import sentencepiece as spm
 
     if vocab_size < 300:
@@ -127,7 +147,8 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, out_prefix: s
     out.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=training_sentences(inputs, text_field, max_lines),
+        sentence_iterator=training_sentences(inputs, text_field, max_lines,
+                                             documents=documents, texts=texts),
         model_writer=buf,
         vocab_size=vocab_size,
         model_type=model_type,
