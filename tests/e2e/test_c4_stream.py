@@ -9,8 +9,6 @@ position: the documents read to reach it (<run>/data/seeks.jsonl) stay under a b
 not depend on the step, while reading from the slice's start would grow with it."""
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import re
 import subprocess
@@ -19,35 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from tests._c4 import DOCS_PER_SHARD, write_c4
 from tests.e2e._launch import one_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
-SHARDS, DOCS_PER_SHARD = 4, 24
 W, G, EVERY = 2, 2, 2        # replicas, grad_accum, data.position_every
-WORDS = ("the river stone light garden winter paper market signal harbour orchard engine "
-         "lantern copper meadow thunder velvet anchor bridge candle").split()
-
-
-def write_c4(root: Path) -> None:
-    """A small dataset in the hub's allenai/c4 layout (fields text, timestamp, url)."""
-    (root / "en").mkdir(parents=True)
-    (root / "README.md").write_text(
-        "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
-        "    path: \"en/c4-train.*.json.gz\"\n  - split: validation\n"
-        "    path: \"en/c4-validation.*.json.gz\"\n---\n# a C4-format test dataset\n")
-    n = 0
-    for s in range(SHARDS):
-        with gzip.open(root / "en" / f"c4-train.{s:05d}-of-{SHARDS:05d}.json.gz", "wt") as f:
-            for i in range(DOCS_PER_SHARD):
-                words = [WORDS[(n * 7 + j * j + s) % len(WORDS)] for j in range(3 + (n * 5) % 8)]
-                f.write(json.dumps({"text": f"Document {n}. " + " ".join(words) + ".",
-                                    "timestamp": "2019-04-25T12:57:54Z",
-                                    "url": f"https://example.org/{n}"}) + "\n")
-                n += 1
-    with gzip.open(root / "en" / "c4-validation.00000-of-00001.json.gz", "wt") as f:
-        f.write(json.dumps({"text": "held out", "timestamp": "", "url": ""}) + "\n")
 
 
 def _cli(args, env, cwd, timeout):
