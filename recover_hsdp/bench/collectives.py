@@ -391,9 +391,14 @@ def _print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = H.parser("collectives", __doc__.split("\n\n")[0], out="collectives.json",
-                 timeout=900, ranks=4, reps=(20, "timed repetitions per size, at least (rounded "
-                                             "up to fill the orders)"),
-                 warmup=3, max_bytes=64 * MB, min_bytes=4, kills=10, kills_per_job=2)
+                 timeout=900, ranks=(4, "MPI ranks of each job (default 4)"),
+                 reps=(20, "timed repetitions per size, at least (rounded up to fill the "
+                           "orders)"),
+                 warmup=(3, "untimed repetitions per size first (default 3)"),
+                 max_bytes=(64 * MB, "largest all-reduce measured, bytes (default 64 MiB)"),
+                 min_bytes=(4, "smallest all-reduce measured, bytes (default 4)"),
+                 kills=(10, "SIGKILLs measured in the kill part (default 10)"),
+                 kills_per_job=(2, "SIGKILLs per job; at least 2 ranks must survive (default 2)"))
     p.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Open MPI MCA parameter for the jobs (repeatable)")
     p.add_argument("--skip", choices=["allreduce", "kills", "plane"], action="append",

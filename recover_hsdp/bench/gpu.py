@@ -70,7 +70,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--sections", default=P.DEFAULT_SECTIONS,
                    help=f"comma-separated subset of 1-5 and 7 (6 is derived; default "
                         f"{P.DEFAULT_SECTIONS})")
-    p.add_argument("--out", default=None, help="result folder (default runs/bench_gpu/<time>)")
+    p.add_argument("--work-dir", "--out", dest="out", default=None, metavar="DIR",
+                   help="result folder: runs and JSON (default runs/bench_gpu/<time>; old "
+                        "spelling: --out)")
     p.add_argument("--budget-s", type=float, default=P.DEFAULT_BUDGET_S,
                    help="hard deadline in s from the start of launch/bench_gpu.sh (default "
                         f"{P.DEFAULT_BUDGET_S:.0f}): what runs past it is killed")

@@ -36,30 +36,49 @@ RESULTS_DIR = Path("bench") / "results"    # relative to the working directory, 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
+#: The one spelling of the options every benchmark shares (the `recover-hsdp train` keys'):
+#: ``--replicas --shard-size --grad-accum --micro-batch-size --seq-len --steps --warmup
+#: --repeats``; ``--out FILE`` is always the JSON result file, ``--work-dir DIR`` always a
+#: folder. A benchmark's old spelling stays an alias (``aliases=``, named in its help).
+SHARED_FLAGS = ("--replicas", "--shard-size", "--grad-accum", "--micro-batch-size", "--seq-len",
+                "--steps", "--warmup", "--repeats", "--out", "--work-dir")
+
+
 def parser(name: str, doc: str | None, /, *, out: str | None = None,
-           timeout: float | None = None, **opts: Any) -> argparse.ArgumentParser:
-    """``recover-hsdp bench NAME`` with the module docstring as help; ``--out`` (default
-    bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark has them; then
-    the benchmark's own :func:`options`."""
+           timeout: float | None = None, aliases: dict[str, str] | None = None,
+           **opts: Any) -> argparse.ArgumentParser:
+    """``recover-hsdp bench NAME`` with the module docstring as help; ``--out`` (the JSON result
+    file, default bench/results/<out>) and ``--timeout`` (seconds per job) when the benchmark
+    has them; then the benchmark's own :func:`options` (``aliases``: name -> old flag)."""
     p = argparse.ArgumentParser(prog=f"recover-hsdp bench {name}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if out is not None:
-        p.add_argument("--out", default=str(RESULTS_DIR / out), help="JSON output path")
+        p.add_argument("--out", default=str(RESULTS_DIR / out), metavar="FILE",
+                       help=f"the JSON result file (default {RESULTS_DIR / out})")
     if timeout is not None:
-        p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
-    return options(p, **opts)
+        p.add_argument("--timeout", type=float, default=timeout, metavar="S",
+                       help=f"seconds per job (default {timeout:g})")
+    return options(p, aliases=aliases, **opts)
 
 
-def options(p: argparse.ArgumentParser, **opts: Any) -> argparse.ArgumentParser:
+def options(p: argparse.ArgumentParser, aliases: dict[str, str] | None = None,
+            **opts: Any) -> argparse.ArgumentParser:
     """Add ``--name-with-dashes`` options, each ``name=default``, ``name=(default, help)`` or
-    ``name=(default, help, type)``; the type is the default's, a False default makes a flag."""
+    ``name=(default, help, type)``; the type is the default's, a False default makes a flag.
+    ``aliases``: name -> an old spelling of its flag, still accepted (and named in the help)."""
+    aliases = aliases or {}
     for name, spec in opts.items():
         default, hlp, *typ = spec if isinstance(spec, tuple) else (spec, None)
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-")] + ([aliases[name]] if name in aliases else [])
+        if name in aliases:
+            hlp = f"{hlp} (old spelling: {aliases[name]})"
         if default is False:
-            p.add_argument(flag, action="store_true", help=hlp)
+            p.add_argument(*flags, dest=name, action="store_true", help=hlp)
         else:
-            p.add_argument(flag, default=default, help=hlp, type=typ[0] if typ else type(default))
+            p.add_argument(*flags, dest=name, default=default, help=hlp,
+                           metavar=name.upper(), type=typ[0] if typ else type(default))
+    unknown = set(aliases) - set(opts)
+    assert not unknown, f"aliases of options that do not exist: {sorted(unknown)}"
     return p
 
 

@@ -106,7 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "NO_SHARD and the baseline would not reduce across replicas)", H.positive_int),
         grad_accum=([2, 1], "G of the overhead jobs, one job per value (default 2,1); the first "
                     "is the headline and the trainer phase's G", H.int_list),
-        micro_batch_size=(2, "rows per rank", H.positive_int), seq_len=(64, None, H.positive_int),
+        micro_batch_size=(2, "rows per rank", H.positive_int),
+        seq_len=(64, "tokens per sequence (default 64)", H.positive_int),
         steps=(40, "timed steps per arm", H.positive_int),
         warmup=(3, "untimed steps first", H.nonneg_int),
         kills=(5, "at least this many kills per recovery kind (default 5)", H.positive_int),

@@ -34,8 +34,12 @@ def _timed(fn) -> tuple[float, float, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = H.parser("planner", __doc__, out="planner.json", replicas=100_000, grad_accum=8,
-                    failures=50_000, seed=0, repeat=3,
+    args = H.parser("planner", __doc__, out="planner.json", aliases={"repeats": "--repeat"},
+                    replicas=(100_000, "W: replicas at the start (default 100000)"),
+                    grad_accum=(8, "G: microbatches per replica per step (default 8)"),
+                    failures=(50_000, "replica failures in the sequence planned (default 50000)"),
+                    seed=(0, "seed of the failure sequence (default 0)"),
+                    repeats=(3, "timed repetitions; the median is reported (default 3)"),
                     no_cli=(False, "skip the fresh-process measurement")).parse_args(argv)
     w, g, k, seed = args.replicas, args.grad_accum, args.failures, args.seed
     argv_plan = ["--replicas", str(w), "--grad-accum", str(g), "--failures", str(k),
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: dict[str, list[tuple[float, float]]] = {"model": [], "render": [], "main": [], "cli": []}
     iterations = 0
-    for _ in range(max(1, args.repeat)):
+    for _ in range(max(1, args.repeats)):
         wall, cpu, outs = _timed(lambda: list(random_plan(w, g, k, seed)))
         rows["model"].append((wall, cpu))
         iterations = len(outs)
@@ -64,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             rows["cli"].append((wall, float("nan")))
 
     print(f"planner: W_init={w} G_init={g} failures={k} seed={seed} -> {iterations} iterations, "
-          f"median of {args.repeat}")
+          f"median of {args.repeats}")
     print(f"{'stage':<8} {'wall s':>8} {'cpu s':>8}")
     result = {"replicas": w, "grad_accum": g, "failures": k, "seed": seed,
-              "iterations": iterations, "repeat": args.repeat,
+              "iterations": iterations, "repeat": args.repeats,
               "command": "recover-hsdp plan " + " ".join(argv_plan)}
     for name, vals in rows.items():
         if not vals:

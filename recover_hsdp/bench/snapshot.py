@@ -120,8 +120,8 @@ def bench_debug(args, machine_gbps: float) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     G = args.grad_accum
-    batches = [(torch.randint(0, cfg.vocab_size, (args.debug_mbs, args.debug_seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.debug_mbs, args.debug_seq), generator=g))
+    batches = [(torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_len), generator=g),
+                torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_len), generator=g))
                for _ in range(G)]
     orch = StepTxnOrchestrator(LoopbackGroup(), StaticWorldPolicy(1, G), lambda r: 0,
                                rewind="copy")
@@ -182,7 +182,7 @@ def bench_debug(args, machine_gbps: float) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(b.numel() * 4 for b in buckets)
     copies = [(b, orch.store[i].snap) for i, b in enumerate(buckets)]
-    rewind_ts = H.times(lambda: orch.rewinder.run_sync(copies), args.repeat * 5)
+    rewind_ts = H.times(lambda: orch.rewinder.run_sync(copies), args.repeats * 5)
     rewind = min(rewind_ts)
     step_s, snap_s, orch_s = min(plain), min(snap_t), min(orch_t)
     x, y = batches[0]
@@ -201,13 +201,13 @@ def bench_debug(args, machine_gbps: float) -> dict:
 
     t_copy, t_thread = [], []
     ext_copy(), ext_thread()
-    for _ in range(args.repeat * 3):
+    for _ in range(args.repeats * 3):
         t_copy += H.times(ext_copy, 1, warmup=0)
         t_thread += H.times(ext_thread, 1, warmup=0)
     orch.close()
     return {
         "model": "llama_debug (vocab 4096)", "params": n_params, "buckets": len(buckets),
-        "grad_accum": G, "microbatch": [args.debug_mbs, args.debug_seq],
+        "grad_accum": G, "microbatch": [args.micro_batch_size, args.seq_len],
         "torch_threads": torch.get_num_threads(),
         "note": "*_s = minimum over runs; the *_stats entries give min and median",
         "step_s": step_s, "step_stats": H.spread(plain),
@@ -263,13 +263,13 @@ def bench_shard(args, machine_gbps: float, gflops: float) -> dict:
         store.snapshot(b, 0)
 
     r = Rewinder("copy")
-    snap_ts = H.times(snap, args.repeat)
-    rewind_ts = H.times(lambda: r.run_sync([(grad, b.snap)]), args.repeat)
+    snap_ts = H.times(snap, args.repeats)
+    rewind_ts = H.times(lambda: r.run_sync([(grad, b.snap)]), args.repeats)
     snap_s, rewind_s = min(snap_ts), min(rewind_ts)
-    tokens = args.mbs * args.seq * args.grad_accum_1b
+    tokens = args.micro_batch_size_1b * args.seq_len_1b * args.grad_accum_1b
     step_est = 6.0 * n_full * tokens / (gflops * 1e9)
     nbytes = n * 4
-    overlap = _overlap(grad, b.snap, rewind_s, args.repeat)
+    overlap = _overlap(grad, b.snap, rewind_s, args.repeats)
     return {
         "full_params": n_full, "shard_size": args.shard_size, "shard_params": n,
         "grad_bytes": nbytes, "snapshot_bytes": store.nbytes(),
@@ -331,17 +331,24 @@ def _fmt(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = H.parser(
-        "snapshot", __doc__, out="snapshot.json", repeat=5,
+        "snapshot", __doc__, out="snapshot.json",
+        aliases={"repeats": "--repeat", "micro_batch_size": "--debug-mbs",
+                 "seq_len": "--debug-seq", "micro_batch_size_1b": "--mbs", "seq_len_1b": "--seq"},
+        repeats=(5, "timed repetitions of each copy (default 5)"),
         steps=(10, "debug-model steps measured"), grad_accum=(2, "debug model G (conf default 2)"),
-        debug_mbs=4, debug_seq=128, probe_mb=(256, "MiB copied to measure the machine"),
-        shard_size=4, vocab=128256, mbs=(1, "1B step estimate: sequences/microbatch"),
-        seq=(2048, "1B step estimate: tokens/sequence"),
+        micro_batch_size=(4, "debug model: sequences per microbatch (default 4)"),
+        seq_len=(128, "debug model: tokens per sequence (default 128)"),
+        probe_mb=(256, "MiB copied to measure the machine"),
+        shard_size=(4, "1B shard estimate: ranks the 1B model is sharded over (default 4)"),
+        vocab=(128256, "1B shard estimate: vocabulary size (default 128256)"),
+        micro_batch_size_1b=(1, "1B step estimate: sequences/microbatch"),
+        seq_len_1b=(2048, "1B step estimate: tokens/sequence"),
         grad_accum_1b=(8, "1B step estimate: G"), no_1b=(False, "skip the 1B shard (1.2 GB x 2)"),
         threads=(0, "torch threads (0: torch default)")).parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    machine = machine_copy_gbps(args.probe_mb, 3 * args.repeat)
+    machine = machine_copy_gbps(args.probe_mb, 3 * args.repeats)
     gflops = gemm_gflops(3)
     print(f"# machine: {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")

@@ -30,7 +30,7 @@ stack  ``python -m recover_hsdp.cli train parallel.replicas=1 parallel.shard_siz
        the CLI -> start of step 0 (``local.time - wall_s`` of step 0); teardown: last commit ->
        CLI exit. The run's own summary.json tokens/s (mean over all steps) is shown too.
 
-tokens/s = tokens per step (G * mbs * seq) / median step time over steps [--skip, N). Repeats
+tokens/s = tokens per step (G * mbs * seq) / median step time over steps [--warmup, N). Repeats
 (--repeats, default 4) alternate the order (plain first, then stack first, ...) so load from
 other tenants hits both arms alike; reported: the median over repeats of each arm's median, and
 the median of the per-repeat ratios stack/plain. Losses are deterministic; every repeat's
@@ -79,11 +79,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     pi = H.positive_int
     p = H.parser(
         "stack", __doc__.split("\n\n")[0], out="stack.json", timeout=300.0,
+        aliases={"grad_accum": "--accum", "micro_batch_size": "--mbs", "seq_len": "--seq",
+                 "warmup": "--skip"},
         steps=(40, "N optimizer steps (default 40)", pi),
-        accum=(2, "G microbatches per step = parallel.grad_accum (default 2)", pi),
-        mbs=(4, "sequences per microbatch = parallel.micro_batch_size (default 4)", pi),
-        seq=(128, "tokens per sequence = parallel.seq_len (default 128)", pi),
-        skip=(5, "warm-up steps left out of the medians (default 5)", H.nonneg_int),
+        grad_accum=(2, "G microbatches per step = parallel.grad_accum (default 2)", pi),
+        micro_batch_size=(4, "sequences per microbatch = parallel.micro_batch_size (default 4)",
+                          pi),
+        seq_len=(128, "tokens per sequence = parallel.seq_len (default 128)", pi),
+        warmup=(5, "warm-up steps left out of the medians (default 5)", H.nonneg_int),
         repeats=(4, "plain/stack pairs, alternating which runs first (default 4)", pi),
         threads=(1, "torch threads of the plain loop; the stack uses run.omp_num_threads "
                  "(default 1 for both)", pi),
@@ -98,15 +101,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--plain-worker", metavar="OUT", default=None, help=argparse.SUPPRESS)
     p.add_argument("--fsdp-ab-worker", metavar="OUT", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(list(argv))
-    if a.skip >= a.steps:
-        p.error(f"--skip({a.skip}) must be < --steps({a.steps}): nothing would be timed")
+    if a.warmup >= a.steps:
+        p.error(f"--warmup({a.warmup}) must be < --steps({a.steps}): nothing would be timed")
     for o in a.overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if "=" not in o:
             p.error(f"--set {o!r}: expected KEY=VALUE")
         if key in FIXED_KEYS:
-            p.error(f"--set {o!r}: {key} is set by the benchmark (use --steps/--accum/--mbs/"
-                    f"--seq; replicas and shard_size are 1)")
+            p.error(f"--set {o!r}: {key} is set by the benchmark (use --steps/--grad-accum/"
+                    f"--micro-batch-size/--seq-len; replicas and shard_size are 1)")
         if "," in o.split("=", 1)[1] and not o.split("=", 1)[1].startswith("["):
             p.error(f"--set {o!r}: sweeps are not supported here")
     return a
@@ -114,8 +117,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def train_overrides(args: argparse.Namespace, run_dir: str | os.PathLike) -> list[str]:
     """The `recover-hsdp train` overrides of one stack run (the plain arm's config too)."""
-    return ["parallel.replicas=1", "parallel.shard_size=1", f"parallel.grad_accum={args.accum}",
-            f"parallel.micro_batch_size={args.mbs}", f"parallel.seq_len={args.seq}",
+    return ["parallel.replicas=1", "parallel.shard_size=1",
+            f"parallel.grad_accum={args.grad_accum}",
+            f"parallel.micro_batch_size={args.micro_batch_size}", f"parallel.seq_len={args.seq_len}",
             f"run.steps={args.steps}", *args.overrides, f"run.output_dir={run_dir}",
             "run.overwrite=true"]
 
@@ -179,8 +183,9 @@ def run_plain(cfg, checked, steps: int, threads: int) -> dict:
 
 def plain_command(args: argparse.Namespace, out: str | os.PathLike) -> list[str]:
     """The plain arm as its own process (same start conditions as the stack's rank)."""
-    argv = ["--steps", str(args.steps), "--skip", str(args.skip), "--accum", str(args.accum),
-            "--mbs", str(args.mbs), "--seq", str(args.seq), "--threads", str(args.threads)]
+    argv = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--grad-accum",
+            str(args.grad_accum), "--micro-batch-size", str(args.micro_batch_size), "--seq-len",
+            str(args.seq_len), "--threads", str(args.threads)]
     for o in args.overrides:
         argv += ["--set", o]
     return [sys.executable, "-m", "recover_hsdp.bench.stack", *argv,
@@ -308,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result.update(load_end=H.load(), problems=problems, repeats=repeats,
                   work_dir=str(work) if (args.work_dir or args.keep) else None,
                   wall_s=time.perf_counter() - t_start)
-    result["summary"] = summarize(repeats, args.skip, repeats[0]["plain"]["tokens_per_step"])
+    result["summary"] = summarize(repeats, args.warmup, repeats[0]["plain"]["tokens_per_step"])
     out = H.write_json(Path(args.out).absolute(), result)
     print(format_table(result))
     print(f"\nstack command: {result['stack_command']}")

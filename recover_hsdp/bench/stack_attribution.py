@@ -212,15 +212,15 @@ def run_attribution(args: argparse.Namespace, work: Path, *, plain_command: Comm
     rc, output, _ = H.run_captured(cmd, args.timeout, env=H.child_env(args.threads))
     if rc == 0 and out.exists():
         ab = json.loads(out.read_text())
-        pl = median_after(ab["plain"]["step_s"], args.skip)
-        fs = median_after(ab["fsdp"]["step_s"], args.skip)
+        pl = median_after(ab["plain"]["step_s"], args.warmup)
+        fs = median_after(ab["fsdp"]["step_s"], args.warmup)
         res["fsdp_ab"] = {
             "plain_step_s": pl, "fsdp_step_s": fs, "ratio": pl / fs,
-            "plain_microbatches_s": median_after(ab["plain"]["microbatches_s"], args.skip),
-            "fsdp_microbatches_s": median_after(ab["fsdp"]["microbatches_s"], args.skip),
+            "plain_microbatches_s": median_after(ab["plain"]["microbatches_s"], args.warmup),
+            "fsdp_microbatches_s": median_after(ab["fsdp"]["microbatches_s"], args.warmup),
             "per_step_ratio": statistics.median(
                 a / b for a, b in list(zip(ab["plain"]["step_s"], ab["fsdp"]["step_s"]))[
-                    args.skip:]),
+                    args.warmup:]),
             "loss_max_abs_diff": max(abs(a - b) for a, b in zip(ab["plain"]["loss"],
                                                                ab["fsdp"]["loss"])),
             "raw": ab}
@@ -237,7 +237,7 @@ def run_attribution(args: argparse.Namespace, work: Path, *, plain_command: Comm
         res["profile_ms"] = {
             k: {m: None if x is None else x * 1e3 for m, x in v.items()}
             for k, v in profile_table(json.loads(prof.read_text()), args.steps,
-                                      args.skip).items()}
+                                      args.warmup).items()}
     else:
         res["profile_error"] = output
     res["load_after"] = H.load()

@@ -360,8 +360,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="recover-hsdp chaos", description=__doc__.split("\n")[0],
-        epilog="Each run is a `recover-hsdp train` job in OUT/runNNNN (its log OUT/runNNNN.log); "
-               "results go to OUT/results.jsonl and the summary to OUT/report.txt. Exit code: 0 "
+        epilog="Each run is a `recover-hsdp train` job in DIR/runNNNN (its log DIR/runNNNN.log); "
+               "results go to DIR/results.jsonl and the summary to DIR/report.txt. Exit code: 0 "
                "every run passed, 1 a run failed, 2 bad arguments (nothing was started). The "
                "module's docstring (recover_hsdp/tools/chaos.py) says what a pass means.",
         formatter_class=_HelpFormatter)
@@ -395,9 +395,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="wall-clock bound of one run; a run that reaches it is a hang (FAILED)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the draws (victims, kinds, moments, shard sizes)")
-    ap.add_argument("--out", default="runs/chaos", metavar="DIR",
+    ap.add_argument("--work-dir", "--out", dest="out", default="runs/chaos", metavar="DIR",
                     help="output folder: one run directory and log per run, results.jsonl, "
-                         "report.txt")
+                         "report.txt (old spelling: --out; every command's --out is a file)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="extra `recover-hsdp train` overrides, applied to every run")
     return ap

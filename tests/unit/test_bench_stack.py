@@ -18,8 +18,8 @@ def test_registered_with_bench():
 
 def test_defaults():
     a = bs.parse_args([])
-    assert (a.steps, a.accum, a.mbs, a.seq, a.skip, a.repeats, a.threads) == (40, 2, 4, 128, 5,
-                                                                               4, 1)
+    assert (a.steps, a.grad_accum, a.micro_batch_size, a.seq_len, a.warmup, a.repeats,
+            a.threads) == (40, 2, 4, 128, 5, 4, 1)
     assert a.overrides == [] and a.out == "bench/results/stack.json" and a.plain_worker is None
     assert a.attribute is False and a.fsdp_ab_worker is None
 
@@ -56,7 +56,8 @@ def test_plain_worker_command_carries_the_same_settings():
     assert cmd[1:3] == ["-m", "recover_hsdp.bench.stack"]
     b = bs.parse_args(cmd[3:])
     assert b.plain_worker == "/tmp/p.json"
-    for k in ("steps", "skip", "accum", "mbs", "seq", "threads", "overrides"):
+    for k in ("steps", "warmup", "grad_accum", "micro_batch_size", "seq_len", "threads",
+              "overrides"):
         assert getattr(b, k) == getattr(a, k), k
     assert bs.train_overrides(b, "d") == bs.train_overrides(a, "d")
 
