@@ -107,3 +107,118 @@ def test_fsdp2_agrees_with_fsdp1(tmp_path, row):
     # the runs did train: the parameters moved by far more than the tolerance
     moved = max(float((_params(r1, STEPS - 1)[k] - init1[k]).abs().max()) for k in init1)
     assert moved > 10 * tol.element, (moved, tol.element)
+
+
+# --- the rest of the suite's guarantees at fsdp=2 ------------------------------------------
+def _fsdp2_run(tmp: Path, *, W, S, G, steps, failures=None, schedule=(), standby=0):
+    from recover_hsdp.record import read_run
+
+    cfg = _cfg(tmp, W=W, S=S, G=G, schedule=schedule, steps=steps)
+    cfg["parallel"]["fsdp"] = 2
+    cfg["parallel"]["standby"] = standby
+    if failures is not None:
+        cfg["failures"] = failures
+    out = run_training(cfg)
+    run_dir = Path(cfg["run"]["output_dir"])
+    assert out.returncode == 0, (out.stdout or "")[-4000:] + (out.stderr or "")[-2000:]
+    rec = read_run(run_dir)
+    assert rec.committed == list(range(steps)), rec.committed
+    seen: set[int] = set()
+    for s in rec.committed:       # every step sums exactly B microbatches, each id once
+        ids = [i for v in rec.steps[s].contributions.values() for i in v]
+        assert len(ids) == rec.steps[s].divisor == W * G and not (seen & set(ids)), (s, ids)
+        seen |= set(ids)
+    assert json.loads((run_dir / "meta.json").read_text())["fsdp"] == 2
+    return run_dir, rec, out
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_readme_kills(tmp_path):
+    """The README demo's three kills (conf/failures/readme.yaml: a boundary step, a promotion
+    with rank 0 dead, case (b)) at W=4, G=1, fsdp=2: every step committed, verify OK."""
+    import yaml
+
+    REPO = Path(__file__).resolve().parents[2]
+    sched = yaml.safe_load((REPO / "conf/failures/readme.yaml").read_text())["schedule"]
+    steps = max(int(e["step"]) for e in sched) + 2
+    run_dir, rec, out = _fsdp2_run(tmp_path, W=4, S=1, G=1, steps=steps, schedule=sched)
+    lost = [r for s in rec.committed for f in rec.steps[s].failures for r in f["replicas"]]
+    assert sorted(lost) == sorted(int(e["replica"]) for e in sched), lost
+    check_bitwise_and_verify(run_dir, steps, 1, out)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_random_kills_s2(tmp_path):
+    """failures=random (two kills at seeded random steps and places) at W=3, S=2, fsdp=2."""
+    failures = {"kind": "random", "seed": 11, "count": 2, "step_range": [1, 5],
+                "location_weights": {"reduce": 4.0, "forward": 1.0, "backward": 1.0,
+                                     "consensus": 1.0, "optimizer_step": 1.0}}
+    run_dir, rec, out = _fsdp2_run(tmp_path, W=3, S=2, G=2, steps=6, failures=failures)
+    assert rec.summary["replicas_alive"] == [r for r in range(3)
+                                             if r in rec.steps[5].alive], rec.summary
+    assert len(rec.steps[5].alive) == 1, rec.steps[5].alive     # both kills landed
+    check_bitwise_and_verify(run_dir, 6, 2, out)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_standby_rejoins_s2(tmp_path):
+    """W=3, S=2 + one standby at fsdp=2: replica 1 (its rank 3) dies in the reduction of step
+    2; the standby is promoted into slot 1 at the next boundary (its state sent as DTensor
+    local shards); from step 4 three replicas contribute again; its shards are bit-identical to
+    the survivors' at every later step; verify OK."""
+    from recover_hsdp.record import param_copies
+
+    steps = 6
+    run_dir, rec, out = _fsdp2_run(tmp_path, W=3, S=2, G=2, steps=steps, standby=1,
+                                   schedule=[K(2, 1, "reduce", local_rank=1, bucket=1)])
+    joins = [j for s in rec.committed for j in ((rec.steps[s].extra or {}).get("joins") or [])]
+    assert [(j["replica"], j["standby"], j["outcome"]) for j in joins] == [(1, 3, "joined")]
+    assert rec.steps[steps - 1].alive == [0, 1, 2]
+    assert all(3 in param_copies(run_dir, steps - 1)[j] for j in range(2))   # the newcomer's
+    check_bitwise_and_verify(run_dir, steps, 2, out)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_wedged_rank_is_judged(tmp_path):
+    """A scheduled wedge (main thread blocked, heartbeat on) at fsdp=2 under `recover-hsdp
+    train`: judged by the progress watchdog, SIGKILLed, the survivors take over; verify OK."""
+    from recover_hsdp.record import read_run
+    from tests.e2e.test_failstop import SMALL, _cli, _verify
+
+    sched = tmp_path / "wedge.yaml"
+    sched.write_text("- {step: 2, replica: 1, location: forward, microbatch: 0, kind: wedge}\n")
+    out = tmp_path / "run"
+    p = _cli("train", *SMALL, "parallel.replicas=3", "parallel.shard_size=1", "run.steps=5",
+             "parallel.fsdp=2", "watchdog.progress_floor_s=5", f"failures.schedule={sched}",
+             f"run.output_dir={out}", cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "injecting a WEDGE" in p.stdout + p.stderr
+    hung = sorted(f.name for f in (out / "faults").glob("hung.rank*.json"))
+    assert hung == ["hung.rank1.json"], hung
+    rec = read_run(out)
+    assert sorted(rec.steps) == list(range(5)) and 1 not in rec.steps[4].contributions
+    _verify(out)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("first,then", [(1, 2), (2, 1)])
+def test_resume_across_substrates(tmp_path, first, then):
+    """Four steps at parallel.fsdp=first (a checkpoint every 2), then a resume at fsdp=then to
+    step 7: DCP reshards FSDP1's ShardedTensors into FSDP2's DTensors (and back) by FQN, the
+    model and the AdamW state; the resumed segment is anchored at its checkpoints (another
+    substrate: another snapshot layout) and the whole run verifies as one."""
+    from recover_hsdp.record import read_run
+    from tests.e2e.test_failstop import SMALL, _cli, _verify
+
+    out = tmp_path / "run"
+    base = ["parallel.replicas=2", "parallel.shard_size=2", "checkpoint.interval=2",
+            f"run.output_dir={out}", *SMALL]
+    p = _cli("train", *base, "run.steps=4", f"parallel.fsdp={first}", cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    p = _cli("train", *base, "run.steps=7", "checkpoint.resume=true", f"parallel.fsdp={then}",
+             cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "resumed from" in p.stdout + p.stderr
+    rec = read_run(out)
+    assert sorted(rec.steps) == list(range(7))
+    _verify(out)
