@@ -413,24 +413,45 @@ def test_a_waiting_rank_past_its_bound_waits_for_the_stall_seen_a_beat_later(tmp
 
 
 WAITER = """
-import json, os, sys, threading, time
+import json, linecache, os, sys, threading, time
 import torch
 import torch.distributed as dist
 from recover_hsdp.faults import failstop
 mode, rank = sys.argv[1], int(sys.argv[2])
+def blocked():
+    # the event: the main thread stands at the blocking call itself (its innermost frame's
+    # line is gloo's work.wait() in all_reduce, or the lock acquire inside wedge()'s wait)
+    f = sys._current_frames().get(threading.main_thread().ident)
+    if f is None:
+        return False
+    line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+    if mode == "collective":
+        return f.f_code.co_name == "all_reduce" and line == "work.wait()"
+    names = []
+    g = f
+    while g is not None:
+        names.append(g.f_code.co_name)
+        g = g.f_back
+    return "wedge" in names and f.f_code.co_filename.endswith("threading.py") and \
+        "acquire(" in line
 def probe():
-    time.sleep(1.5)
+    while not blocked():
+        time.sleep(0.005)               # paces the look at the main thread's frame
     print(json.dumps([failstop.main_waits_on_peers()]), flush=True)
     os._exit(0)
+def wedge():
+    threading.Event().wait()            # the injector's wedge: blocked on itself
 if mode == "wedged":
     threading.Thread(target=probe, daemon=True).start()
-    threading.Event().wait(60)          # the injector's wedge: blocked on itself
-dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank, world_size=2)
-if rank == 0:                           # blocks in the all-reduce: rank 1 never joins it
-    threading.Thread(target=probe, daemon=True).start()
-    dist.all_reduce(torch.ones(1))
+    wedge()
 else:
-    time.sleep(30)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank,
+                            world_size=2)
+    if rank == 0:                       # blocks in the all-reduce: rank 1 never joins it
+        threading.Thread(target=probe, daemon=True).start()
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(30)                  # plays the peer that never joins (killed by the test)
 """
 
 

@@ -39,6 +39,7 @@ def test_hold_until_released(tmp_path):
     t.release(1)
     for x in th:
         x.join(30)
+    assert not any(x.is_alive() for x in th), "a rank still held after the release"
     assert sorted(passed) == [0, 1]
 
 

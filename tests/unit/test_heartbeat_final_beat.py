@@ -2,8 +2,9 @@
 exit must say done=true, and the reaper must not count a rank whose last beat says done as dead.
 
 The interleaving that broke it is forced, not hoped for: the heartbeat thread is held between
-reading its state (done=false) and writing it, until mark_done has returned (or 1 s passed, when
-mark_done waits for the thread, as it must)."""
+reading its state (done=false) and writing it, until mark_done waits for it - joins the thread,
+or takes the file's lock the thread holds (either is the event that releases it) - or returned
+without waiting (the bug: the held write of done=false then lands last). No time decides it."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
 def test_last_heartbeat_of_a_clean_exit_says_done(tmp_path, monkeypatch):
     hb = failstop.Heartbeat(tmp_path, 0, period_s=0.01)
     entered, go = threading.Event(), threading.Event()
+    stuck = []
     real = json.dumps
 
     class Held:          # failstop's json, holding the thread's beat of a done=false record
@@ -32,17 +34,40 @@ def test_last_heartbeat_of_a_clean_exit_says_done(tmp_path, monkeypatch):
             if (threading.current_thread().name == "recover_hsdp-heartbeat"
                     and rec.get("done") is False and not entered.is_set()):
                 entered.set()
-                go.wait(1.0)      # bounded: released by the test, or it gives up after 1 s
+                if not go.wait(60):   # a bound only: released by an event below
+                    stuck.append("mark_done neither waited for the thread nor returned")
+                    raise AssertionError(stuck[-1])
             return real(rec)
+
+    class Lock:          # the file's lock: mark_done taking it waits for the held beat
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread().name != "recover_hsdp-heartbeat":
+                go.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
 
     monkeypatch.setattr(failstop, "json", Held)
     monkeypatch.setitem(failstop._hb, "hb", hb)
+    real_join = hb._thread.join
+
+    def join(timeout=None):       # mark_done waits for the thread: the event that frees it
+        go.set()
+        return real_join(timeout)
+
+    hb._thread.join = join
+    hb._lock = Lock(hb._lock)
     hb.start()
     assert entered.wait(10), "the heartbeat thread never beat"
     failstop.mark_done()
-    go.set()
+    go.set()                      # mark_done returned without waiting: the held beat lands last
     hb._thread.join(10)
     assert not hb._thread.is_alive()
+    assert stuck == []
     last = json.loads((tmp_path / "ranks" / "rank0.json").read_text())
     assert last["done"] is True, last
 
