@@ -143,8 +143,6 @@ def run_worker(cfg: Any) -> int:
                                       if mt.standbys_lost else {})}, local=local))
         snaps.after_commit(mt.step)  # only when due; on CUDA an async copy to pinned memory
         last = mt
-        if ck is not None:
-            ck.after_commit(steps)                 # periodic save; a stop request exits here
         if _is_logger(mgr):
             tb = tb if tb is not None else _tensorboard(run_dir, mgr.rank)
             if tb:
@@ -164,6 +162,8 @@ def run_worker(cfg: Any) -> int:
                 ev += f" -> {'/'.join(mt.restore_modes)}" + (" (boundary)" if mt.boundary else "")
             print(prog.line(mt.step, mt.loss, pf, mt.grad_norm, tokens / el,
                             f"{len(mgr.policy.alive)}/{W}", mgr.policy.layout.g) + ev, flush=True)
+        if ck is not None:      # after the step's line: a stop request exits here
+            ck.after_commit(steps)                 # periodic save
         if mgr.standby and step < steps - 1:
             with failstop.long_phase("rejoin heal", CKPT_SAVE_BOUND_S):   # moves a state
                 j = mgr.join_step()                # a standby into a lost slot (rejoin.md)
