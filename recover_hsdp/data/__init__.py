@@ -3,9 +3,10 @@ microbatch sources that turn stable microbatch ids into tensors (see docs/data.m
 from .config import DataConfig, DataConfigError, check_model_data, require_tokenizer
 from .documents import EMBEDDED_CORPUS, DataSourceUnavailable, open_hf_dataset, open_local_dataset
 from .microbatch import (Microbatch, MicrobatchSource, RandomAccessUnavailable,
-                         SourceStateMismatch, StreamingMicrobatchSource, StreamPositions,
+                         SourceStateMismatch, StreamingMicrobatchSource,
                          build_microbatch_source, epoch_permutation, load_packed_corpus,
-                         microbatch_id, read_seeks)
+                         microbatch_id)
+from .positions import StreamPositions, read_seeks
 from .packing import PackedCorpus
 from .tokenizer import EMBEDDED_TOKENIZER, Tokenizer, load_tokenizer, train_tokenizer
 
