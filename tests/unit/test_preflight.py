@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 
@@ -29,21 +28,24 @@ def test_local_files(tmp_path):
 
 
 @pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
-def test_offline_is_refused_without_probing(var):
-    t0 = time.monotonic()
+def test_offline_is_refused_without_probing(var, monkeypatch):
+    import recover_hsdp.data.preflight as pf
+
+    probed = []                         # the event itself: no connection is even tried
+    monkeypatch.setattr(pf.socket, "create_connection", lambda *a, **k: probed.append(a))
     with pytest.raises(InputUnavailable) as e:
         check_hub(DataConfig(source="hf"), {var: "1", "HF_ENDPOINT": "http://10.255.255.1:9"})
     msg = str(e.value)
     assert "\n" not in msg and f"{var}=1" in msg
     assert "data=local" in msg and "data=embedded" in msg
-    assert time.monotonic() - t0 < 0.5
+    assert probed == []
 
 
 def test_unreachable_hub_is_refused_fast():
-    t0 = time.monotonic()
-    with pytest.raises(InputUnavailable, match="not reachable from this machine"):
+    # fast: refused on the connection's own answer (ECONNREFUSED), not at the probe's bound
+    with pytest.raises(InputUnavailable, match="not reachable from this machine") as e:
         check_hub(DataConfig(source="hf"), {"HF_ENDPOINT": "http://127.0.0.1:9"})
-    assert time.monotonic() - t0 < 3.5
+    assert "refused" in str(e.value).lower() and "no answer within" not in str(e.value), e.value
 
 
 def test_probe_is_bounded_and_sees_a_listener(monkeypatch):
@@ -58,10 +60,14 @@ def test_probe_is_bounded_and_sees_a_listener(monkeypatch):
     import recover_hsdp.data.preflight as pf
 
     never = threading.Event()          # the answer that never comes (set at the end)
-    monkeypatch.setattr(pf.socket, "create_connection", lambda *a, **k: never.wait())
-    t0 = time.monotonic()
+    entered = threading.Event()
+    monkeypatch.setattr(pf.socket, "create_connection",
+                        lambda *a, **k: (entered.set(), never.wait()))
+    # the order, not a wall-clock bound: probe returned its bound's verdict while the connection
+    # attempt it started was still blocked (without the bound it would never return: the
+    # pytest timeout)
     assert "no answer within 0.3 s" in probe("hub.invalid", 443, 0.3)
-    assert time.monotonic() - t0 < 1.5
+    assert entered.is_set() and not never.is_set()
     never.set()
     monkeypatch.undo()
     # 0 skips the probe (a site that knows its hub answers)
