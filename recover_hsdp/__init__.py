@@ -40,4 +40,8 @@ def __getattr__(name: str):
         from recover_hsdp.workers.custom import record_run
 
         return record_run
+    if name == "shard_mesh":    # fsdp=2: the mesh a custom loop fully_shards over (docs/fsdp2.md)
+        from recover_hsdp.hsdp.substrate import shard_mesh
+
+        return shard_mesh
     raise AttributeError(f"module 'recover_hsdp' has no attribute {name!r}")

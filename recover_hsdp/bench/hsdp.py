@@ -116,9 +116,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="debug",
                    help="debug = conf/model/llama_debug.yaml (default); tiny = the e2e tests'")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                   help="a config override for the trainer jobs of the trainer / nonboundary / "
-                        "boundary phases (repeatable), e.g. --set "
-                        "parallel.replicate_data_plane=gloo; dotted keys, YAML values")
+                   help="a config override for the jobs of the overhead / trainer / "
+                        "nonboundary / boundary phases (repeatable), e.g. --set "
+                        "parallel.replicate_data_plane=gloo, --set parallel.fsdp=2 (overhead: "
+                        "against plain FSDP2 HSDP); dotted keys, YAML values")
     args = p.parse_args(list(argv) if argv is not None else None)
     for s in args.sets:
         if "=" not in s or not s.split("=", 1)[0]:
@@ -221,8 +222,8 @@ def _failed(result: dict, what: str, job: dict) -> None:
 def run_overhead(args, work: Path, result: dict, G: int) -> None:
     W, S = args.replicas, args.shard_size
     name = f"overhead_g{G}"
-    cfg = make_config(args, work / name / "run", W=W, S=S, G=G,
-                      steps=args.warmup + args.steps)
+    cfg = apply_sets(make_config(args, work / name / "run", W=W, S=S, G=G,
+                                 steps=args.warmup + args.steps), args.sets)
     cfg["bench"] = {"warmup": args.warmup, "steps": args.steps}
     out_dir = work / name / "ranks"
     _say(f"overhead: {W}x{S} ranks, G={G}, {args.warmup}+{args.steps} steps per arm")
@@ -234,7 +235,8 @@ def run_overhead(args, work: Path, result: dict, G: int) -> None:
         return
     s = summarize_overhead(ranks)
     s.update(config={"W": W, "S": S, "G": G, "model": args.model, "seq_len": args.seq_len,
-                     "mbs": args.micro_batch_size}, load=job["load"], job=job,
+                     "mbs": args.micro_batch_size,
+                     "fsdp": int(cfg["parallel"].get("fsdp", 1))}, load=job["load"], job=job,
              raw=[{k: r[k] for k in ("rank", "baseline_s", "resilient_s", "first",
                                      "baseline_phases", "resilient_phases")}
                   for r in ranks])

@@ -166,8 +166,11 @@ def format_table(result: dict) -> str:
                   f"interleaved steps per arm (+{ov['warmup']} warm-up), load "
                   f"{H.load_text(ov.get('load'))}",
                   f"  {'arm':<50} {'median':>8} {'p25':>8} {'p75':>8}"]
-        for key, label in (("baseline_s", "plain FSDP HYBRID_SHARD (gloo + gloo)"),
-                           ("resilient_s", "resilient HSDPULFMTrainingManager.train_step")):
+        plain = ("plain FSDP2 HSDP, 2-D mesh (gloo + gloo)" if c.get("fsdp") == 2
+                 else "plain FSDP HYBRID_SHARD (gloo + gloo)")
+        for key, label in (("baseline_s", plain),
+                           ("resilient_s", "resilient HSDPULFMTrainingManager.train_step"
+                            + (" fsdp=2" if c.get("fsdp") == 2 else ""))):
             s = ov[key]
             lines.append(f"  {label:<50} {H.fmt(s['median'], 3, ' s'):>8} {H.fmt(s['p25'], 3, ' s'):>8} "
                          f"{H.fmt(s['p75'], 3, ' s'):>8}")
@@ -214,4 +217,3 @@ def format_table(result: dict) -> str:
             for e in s.get("errors", []):
                 lines.append(f"    ! kill {e}")
     return "\n".join(lines + H.footer(result))
-

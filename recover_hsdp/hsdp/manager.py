@@ -31,7 +31,8 @@ from recover_hsdp.hsdp import fsdp_hybrid as fh
 from recover_hsdp.hsdp.cross_replica import HSDPCrossReplicaGroup
 from recover_hsdp.hsdp.overlap import Overlap
 from recover_hsdp.hsdp.step_hooks import HookedGroup, StepHooks
-from recover_hsdp.hsdp.substrate import make_substrate, resolve_mixed_precision  # noqa: F401
+from recover_hsdp.hsdp.substrate import (make_substrate, resolve_mixed_precision,  # noqa: F401
+                                         shard_group)
 from recover_hsdp.policy import (AdaptiveWorldPolicy, DataAssignment, RestoreMode,
                                  StaticWorldPolicy, contrib_total, elect)
 from recover_hsdp.recovery import StepTxnOrchestrator, Verdict
@@ -111,8 +112,7 @@ class HSDPULFMTrainingManager:
         self.replica = self.topo.replica
         self.shard_index = self.topo.shard_index
         self.device = device or fh.local_device()
-        self.shard_pg = fh.new_shard_groups(self.topo, timeout_s=shard_timeout_s,
-                                            device=self.device)
+        self.shard_pg = shard_group(self.topo, timeout_s=shard_timeout_s, device=self.device)
         startup.mark_phase("groups")   # start-up progress (faults/startup.py)
         self.world = UlfmGroup.world()
         self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)

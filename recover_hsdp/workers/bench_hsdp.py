@@ -61,7 +61,7 @@ def run(cfg_path: str, out_dir: str) -> int:
         b.model(), optimizer_factory=b.optimizer_factory, microbatch_fn=b.microbatch_fn(W),
         loss_fn=loss_fn, replicas=W, shard_size=S, grad_accum=G,
         auto_wrap_policy=fsdp_wrap_policy(), policy=cfg.policy.name, lr_fn=b.lr_fn,
-        restore_enabled=True, shard_timeout_s=cfg.watchdog.shard_timeout_s)
+        restore_enabled=True, shard_timeout_s=cfg.watchdog.shard_timeout_s, fsdp=par.fsdp)
 
     # where the resilient step spends its time (wrappers only add a perf_counter pair per call)
     phases: dict[str, float] = {}
@@ -93,10 +93,13 @@ def run(cfg_path: str, out_dir: str) -> int:
         g = dist.new_group(topo.replicate_ranks(j), backend="gloo")
         if j == topo.shard_index:
             rep_pg = g
-    base = FSDP(b.model(seed), process_group=(shard_pg, rep_pg),
-                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                auto_wrap_policy=fsdp_wrap_policy(), device_id=torch.device("cpu"),
-                use_orig_params=True, sync_module_states=False)
+    if par.fsdp == 2:   # plain FSDP2 HSDP: a 2-D (replicate, shard) mesh, SUM then / (W*S)
+        base = _plain_fsdp2_hsdp(b.model(seed), topo, shard_pg, rep_pg)
+    else:
+        base = FSDP(b.model(seed), process_group=(shard_pg, rep_pg),
+                    sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                    auto_wrap_policy=fsdp_wrap_policy(), device_id=torch.device("cpu"),
+                    use_orig_params=True, sync_module_states=False)
     base_opt = b.optimizer(base)
 
     def baseline_step(step: int) -> tuple[float, dict]:
@@ -151,11 +154,11 @@ def run(cfg_path: str, out_dir: str) -> int:
         if step == 0:
             # same work: from identical parameters, the same data gives the same step gradient
             # (both arms leave the reduced, divided gradient shard in flat_param.grad)
-            grad_diff = rel_diff(fh.grad_shards(base), fh.grad_shards(mgr.module))
+            grad_diff = rel_diff(_local(base, "grad"), _local(mgr.module, "grad"))
 
     # after many AdamW steps rounding differences (G > 1 sums in another order) are amplified
     # where a gradient is near 0 (the update is ~sign(g) * lr there): report, do not judge
-    pa, pb = fh.local_flat_shards(base), fh.local_flat_shards(mgr.module)
+    pa, pb = _local(base, "param"), _local(mgr.module, "param")
     diffs = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(pa, pb)]
     num = sum(float((a.detach() - b.detach()).double().pow(2).sum()) for a, b in zip(pa, pb))
     den = sum(float(b.detach().double().pow(2).sum()) for b in pb)
@@ -169,6 +172,47 @@ def run(cfg_path: str, out_dir: str) -> int:
     atomic_write(Path(out_dir) / f"rank{rank}.json",
                  (json.dumps(out, default=str) + "\n").encode(), fsync=False)
     return 0
+
+
+def _plain_fsdp2_hsdp(model, topo, shard_pg, rep_pg):
+    """The fsdp=2 baseline: FSDP2's own HSDP (``fully_shard`` per decoder block and at the root
+    over a 2-D mesh, replicate x shard, its all-reduce inside every backward) with the SUM
+    settings the resilient arm uses (gloo refuses PREMUL_SUM) and FSDP's divide by W*S ranks."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from recover_hsdp.model.fsdp import decoder_blocks
+
+    ranks = torch.tensor([topo.replica_ranks(r) for r in range(topo.replicas)])
+    mesh = DeviceMesh.from_group([rep_pg, shard_pg], "cpu", mesh=ranks,
+                                 mesh_dim_names=("replicate", "shard"))
+    for blk in decoder_blocks(model):
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_gradient_divide_factor(float(topo.replicas * topo.shard_size))
+    return model
+
+
+def _local(module, what: str) -> list:
+    """This rank's parameter (``what="param"``) or gradient shards, parameter order, as plain
+    tensors (FSDP1: the flat shards, padding included; FSDP2: DTensors' local shards)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from recover_hsdp.hsdp import fsdp_hybrid as fh
+
+    if isinstance(module, FSDP):
+        return fh.local_flat_shards(module) if what == "param" else fh.grad_shards(module)
+    out = []
+    for p in module.parameters():
+        t = p if what == "param" else p.grad
+        if t is None:
+            continue
+        out.append((t.to_local() if hasattr(t, "to_local") else t).detach().reshape(-1))
+    return out
 
 
 if __name__ == "__main__":

@@ -36,6 +36,43 @@ def make_substrate(fsdp):
     raise ValueError(f"parallel.fsdp must be 1 or 2 (got {fsdp!r})")
 
 
+_GROUPS: dict = {}
+
+
+def shard_group(topology, *, timeout_s=None, device=None):
+    """This rank's shard group for ``topology``, made once per process (collective over the
+    world the first time: every rank, same point) and reused after: what :func:`shard_mesh`
+    hands a custom loop is the group the manager then trains on."""
+    from recover_hsdp.hsdp.topology import new_shard_groups
+
+    key = (topology.replicas, topology.shard_size, topology.rank, topology.world_size)
+    if key not in _GROUPS:
+        _GROUPS[key] = new_shard_groups(topology, timeout_s=timeout_s, device=device)
+    return _GROUPS[key]
+
+
+def shard_mesh(*, replicas: int, shard_size: int, standby: int = 0, timeout_s=None,
+               device=None):
+    """The 1-D DeviceMesh over this rank's replica's shard group, for a custom loop that
+    ``fully_shard``s its own model (fsdp=2) before handing it to HSDPULFMTrainingManager (give
+    the manager the same replicas, shard_size, standby and shard_timeout_s). Call it on every
+    rank, at the same point; it initialises torch.distributed from the launcher's environment
+    if needed (docs/fsdp2.md)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from recover_hsdp.hsdp.topology import (HybridTopology, init_distributed_from_env,
+                                            local_device)
+
+    if not dist.is_initialized():
+        init_distributed_from_env(backend="gloo")
+    topo = HybridTopology.for_world(replicas + standby, shard_size, dist.get_rank(),
+                                    dist.get_world_size())
+    device = device or local_device()
+    pg = shard_group(topo, timeout_s=timeout_s, device=device)
+    return DeviceMesh.from_group(pg, device.type if hasattr(device, "type") else str(device))
+
+
 def resolve_mixed_precision(mp, device):
     """"auto" -> "bf16" on CUDA, "fp32" elsewhere; None -> "fp32"; a policy object as is."""
     import torch

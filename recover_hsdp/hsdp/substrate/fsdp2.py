@@ -88,6 +88,35 @@ def assert_sum_only(model: nn.Module) -> None:
                                f"gradients: wrap it with recover_hsdp (hsdp/substrate/fsdp2.py)")
 
 
+def _check_user_sharded(model: nn.Module, shard_pg, topology):
+    """A model the user ``fully_shard``-ed (a custom loop, over recover_hsdp.shard_mesh()): the
+    root is an FSDPModule and every parameter a DTensor on a 1-D mesh over exactly this
+    replica's shard group, Shard(0) (what the buckets and the verifier's layout assume)."""
+    from torch.distributed.tensor import Shard
+
+    FSDPModule = _fsdp2()[0]
+    if not isinstance(model, FSDPModule):
+        raise ValueError("fsdp=2: some submodules are fully_shard-ed but the root is not: call "
+                         "fully_shard(model, mesh=mesh) last (or hand the manager the plain "
+                         "model)")
+    want = sorted(topology.replica_ranks(topology.replica))
+    mesh = None
+    for fqn, p in model.named_parameters():
+        m = getattr(p, "device_mesh", None)
+        if m is None:
+            raise ValueError(f"fsdp=2: parameter {fqn} is not sharded by fully_shard")
+        if m.ndim != 1 or sorted(m.mesh.flatten().tolist()) != want:
+            raise ValueError(f"fsdp=2: parameter {fqn} is sharded over ranks "
+                             f"{sorted(m.mesh.flatten().tolist())} ({m.ndim}-D mesh); the "
+                             f"manager needs the replica's shard group {want} as a 1-D mesh: "
+                             f"build it with recover_hsdp.shard_mesh()")
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"fsdp=2: parameter {fqn} is placed {tuple(p.placements)}; the "
+                             f"buckets need Shard(0) (no shard_placement_fn)")
+        mesh = mesh or m
+    return mesh
+
+
 @dataclass
 class _Bucket:
     name: str                    # "i:<module fqn>"
@@ -197,17 +226,15 @@ class Fsdp2Substrate:
             raise ValueError(f"shard group (size {shard_pg.size()}, rank {shard_pg.rank()}) does "
                              f"not match parallel.shard_size({topology.shard_size}) / shard "
                              f"index {topology.shard_index}")
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            raise ValueError("fsdp=2: the model is already fully_shard-ed; hand the manager the "
-                             "plain model (it shards over the replica's shard group itself)")
         device = torch.device(device)
-        mesh = DeviceMesh.from_group(shard_pg, device.type)
-        if mesh.ndim != 1:
-            raise RuntimeError("fsdp=2 needs a 1-D shard mesh (no replicate dimension)")
-        mp = _mp_policy(mixed_precision)
-        for m in _units(model, auto_wrap_policy):
-            fully_shard(m, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            mesh = _check_user_sharded(model, shard_pg, topology)   # the user's own fully_shard
+        else:
+            mesh = DeviceMesh.from_group(shard_pg, device.type)
+            mp = _mp_policy(mixed_precision)
+            for m in _units(model, auto_wrap_policy):
+                fully_shard(m, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
         for m in fsdp_modules(model):
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(1.0)
