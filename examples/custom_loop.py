@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -51,12 +52,15 @@ from recover_hsdp.record.custom import data_slices
 B0, ROWS, SEQ = 4, 4, 64      # microbatches per step; rows of one replica microbatch; tokens
 
 
-def make_parts(data_slices: int, rows: int = ROWS, seq_len: int = SEQ,
-               stream: bool = False) -> CustomParts:
+def make_parts(data_slices: int, rows: int = ROWS, seq_len: int = SEQ, stream: bool = False,
+               position_dir: str | None = None) -> CustomParts:
     """The loop's user code, built the same way by the loop and by `recover-hsdp verify` (the
     run record names this function and these arguments). ``data_slices``: W0, the run's FIRST
     width; ``rows``: rows of one replica microbatch (all S ranks together; fixed for the run);
-    ``stream``: the sequential (streaming) source instead of the random-access one."""
+    ``stream``: the sequential (streaming) source instead of the random-access one;
+    ``position_dir``: where a stream saves its slices' positions (the run's ``data/``), so that
+    a survivor, a standby or a resumed launch starts a slice at the nearest saved position, not
+    at its start (docs/data.md)."""
     from recover_hsdp.data import DataConfig, build_microbatch_source
     from recover_hsdp.model import build_model, get_config, next_token_loss
 
@@ -65,7 +69,8 @@ def make_parts(data_slices: int, rows: int = ROWS, seq_len: int = SEQ,
 
     def source(s: int):
         if s not in sources:
-            sources[s] = build_microbatch_source(data_cfg, s, data_slices)
+            sources[s] = build_microbatch_source(data_cfg, s, data_slices,
+                                                 position_dir=position_dir)
         return sources[s]
 
     def microbatch(mb_id: int):   # ReCoVer: the data of an id, whoever computes it
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     # ReCoVer: the data slices are the FIRST launch's width, a resume at another width included
     w0 = data_slices(run_dir, default=a.replicas) if a.resume else a.replicas
-    parts = CustomParts.build(make_parts, data_slices=w0, stream=a.stream)
+    pos = str(Path(run_dir).resolve() / "data") if a.stream else None   # stream positions
+    parts = CustomParts.build(make_parts, data_slices=w0, stream=a.stream, position_dir=pos)
     mgr = HSDPULFMTrainingManager(  # ReCoVer: replaces FSDP(...) and the optimizer
         parts.model(),              # same init on every rank (seed 0)
         optimizer_factory=parts.optimizer_factory, microbatch_fn=parts.microbatch_fn,

@@ -134,17 +134,42 @@ def test_example_killed_under_launch_verifies_then_resumes_wider(tmp_path, deadl
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("flag", ["--stream", "--fsdp=2"])
-def test_streaming_source_or_fsdp2_killed_under_launch_verifies(tmp_path, deadline, flag):
+def test_fsdp2_killed_under_launch_verifies(tmp_path, deadline):
     out = tmp_path / "run"
-    p, text = _launch(tmp_path, out, 4, [flag, "--save-every", "0"], deadline)
+    p, text = _launch(tmp_path, out, 4, ["--fsdp=2", "--save-every", "0"], deadline)
     _killed_and_finished(p, text, out)
     meta = json.loads((out / "meta.json").read_text())
-    if flag == "--stream":
-        assert meta["custom"]["kwargs"]["stream"] is True
-    else:
-        assert meta["fsdp"] == 2 and meta["fsdp2"]["flat_parameters"] == 0, meta.get("fsdp2")
+    assert meta["fsdp"] == 2 and meta["fsdp2"]["flat_parameters"] == 0, meta.get("fsdp2")
     v, vtext = _verify(tmp_path, out, deadline)
     assert v.returncode == 0, vtext[-4000:]
     assert _steps_ok(vtext) == list(range(6)), vtext[-4000:]
     assert re.search(r"^verify: OK  steps=6  compared=6 ", vtext, re.M), vtext[-4000:]
+
+
+@pytest.mark.timeout(600)
+def test_streaming_source_killed_resumed_wider_verifies(tmp_path, deadline):
+    """The streaming source: ids map to their slice's stream (id % W0). Killed, verified; then
+    resumed at W=4 x S=1, where the replicas serving slice 0 start its stream at a position the
+    first launch saved (k >= 16, data.position_every), not at its start; verified as one run."""
+    out = tmp_path / "run"
+    p, text = _launch(tmp_path, out, 4, ["--stream"], deadline)
+    _killed_and_finished(p, text, out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["custom"]["kwargs"]["stream"] is True
+    assert meta["custom"]["kwargs"]["position_dir"] == str(out.resolve() / "data")
+    v, vtext = _verify(tmp_path, out, deadline)
+    assert v.returncode == 0, vtext[-4000:]
+    assert _steps_ok(vtext) == list(range(6)), vtext[-4000:]
+    assert re.search(r"^verify: OK  steps=6  compared=6 ", vtext, re.M), vtext[-4000:]
+
+    p, text = _launch(tmp_path, out, 4, ["--stream", "--resume", "--replicas", "4",
+                                         "--shard-size", "1", "--steps", "8", "--kill", "none"],
+                      deadline, overwrite=True)
+    assert p.returncode == 0, text[-4000:]
+    assert "resumed at step 6 (W0=2 slices)" in text, text[-4000:]
+    seeks = out / "data" / "seeks.jsonl"      # the stream's jumps (docs/data.md)
+    jumps = [j for j in map(json.loads, seeks.read_text().splitlines()) if j["slice"] == 0]
+    assert jumps and all(j["from_k"] >= 16 for j in jumps), jumps
+    v, vtext = _verify(tmp_path, out, deadline)
+    assert v.returncode == 0, vtext[-4000:]
+    assert re.search(r"^verify: OK  steps=8 ", vtext, re.M), vtext[-4000:]
