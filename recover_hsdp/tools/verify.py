@@ -32,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     from recover_hsdp.verify.tolerance import DEFAULT_C, DEFAULT_C_RMS, DEFAULT_REL_FLOOR
 
     p = _Parser(prog=PROG, description="Replay every committed step of a run directory in one "
-                "process over exactly the recorded microbatches and compare the parameters.")
+                "process over exactly the recorded microbatches and compare the parameters.",
+                epilog="exit codes (the table of every recover-hsdp command; verify uses 0: the "
+                       "replay matches,\n1: it does not, 2: not a verifiable run or bad options, "
+                       "130: interrupted):\n" + exit_codes.table(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--atol", type=float, default=None,
                    help="fixed element tolerance (default: C*sqrt(sum lr^2) + fp32 floor)")

@@ -48,6 +48,13 @@ def test_the_table_is_in_every_help_and_in_docs(capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert ec.table() in out, argv
+    from recover_hsdp.tools import verify
+
+    try:
+        rc = verify.main(["--help"])
+    except SystemExit as e:        # argparse's --help
+        rc = e.code
+    assert rc == 0 and ec.table() in capsys.readouterr().out
     docs = (ROOT / "docs" / "cli.md").read_text()
     section = docs.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| (\d+) \| `(\w+)` \|", section, re.M))
