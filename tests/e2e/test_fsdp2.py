@@ -222,3 +222,42 @@ def test_resume_across_substrates(tmp_path, first, then):
     rec = read_run(out)
     assert sorted(rec.steps) == list(range(7))
     _verify(out)
+
+
+@pytest.mark.timeout(600)
+def test_custom_loop_with_its_own_fully_shard_under_launch_verifies(tmp_path):
+    """examples/custom_loop_fsdp2.py: the user's own fully_shard (per block, then the root)
+    over recover_hsdp.shard_mesh(), handed to HSDPULFMTrainingManager(fsdp=2), 4 ranks under
+    `recover-hsdp launch`, the last rank SIGKILLed in the reduction of step 3: every step
+    committed, the record says FSDP2 with no FlatParameter, `recover-hsdp verify` replays every
+    step OK (from another directory: the factory is found where the record says)."""
+    import os
+    import re
+    import sys
+
+    from tests._procs import current_deadline, run
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    env.pop("OMPI_COMM_WORLD_RANK", None)
+    env.pop("RECOVER_HSDP_RUN_DIR", None)
+    out = tmp_path / "run"
+    dl = current_deadline()
+    p = run([sys.executable, "-m", "recover_hsdp.cli", "launch", "-n", "4", "--run-dir",
+             str(out), "--", sys.executable, str(repo / "examples" / "custom_loop_fsdp2.py")],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=dl.left())
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-4000:]
+    assert "OK: replica [0] of 2 finished (every rank exited 0); lost: [1]" in text, text[-3000:]
+    assert all(f"step {s}: loss" in text for s in range(6)), text[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["fsdp"] == 2 and meta["fsdp2"]["flat_parameters"] == 0, meta.get("fsdp2")
+    assert meta["custom"]["factory"] == "custom_loop:make_parts", meta["custom"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    v = run([sys.executable, "-m", "recover_hsdp.cli", "verify", str(out)], cwd=elsewhere,
+            env=env, capture_output=True, text=True, timeout=dl.left())
+    vt = v.stdout + v.stderr
+    assert v.returncode == 0, vt[-4000:]
+    ok = [int(m.group(1)) for m in re.finditer(r"^step (\d+): .* ok \(", vt, re.M)]
+    assert ok == list(range(6)), vt[-3000:]
