@@ -20,8 +20,9 @@
 #   MPIRUN=<next to PYTHON>/mpirun (else mpirun on PATH)
 #   MPIRUN_ARGS=""       extra mpirun arguments (word-split), e.g. "--bind-to none"
 #
-# Exit status: recover-hsdp launch's (0: every rank of at least one replica exited 0, none
-# judged; 2: bad arguments or the same error on every replica; else non-zero).
+# Exit status: recover-hsdp launch's, the table of every command (docs/cli.md "Exit codes": 0
+# a replica finished; 1 none did; 2 bad arguments or the same input error everywhere; 3 time
+# limit; 5 no mpirun / no ULFM; 130 interrupted).
 set -euo pipefail
 
 if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
