@@ -33,7 +33,8 @@ import torch
 from .config import DataConfig
 from .documents import EMBEDDED_CORPUS, iter_texts, open_hf_dataset, open_local_dataset
 from .packing import PackedCorpus, token_dtype
-from .positions import StreamPositions, _in_file_index, _pack_tokens, _unpack_tokens
+from .positions import (StreamPositions, _in_file_index, _pack_tokens, _unpack_tokens,
+                        read_seeks)  # noqa: F401 - read_seeks re-exported (its first home)
 from .tokenizer import Tokenizer
 
 
