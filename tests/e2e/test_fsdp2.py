@@ -63,6 +63,7 @@ ROWS = [("W3S2G2-reduce-kill", 3, 2, 2, [K(1, 2, "reduce", bucket=0)]),
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.quick_params("W2S1G1-backward-kill")   # the quick tier's FSDP2 run
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
 def test_fsdp2_agrees_with_fsdp1(tmp_path, row):
     from recover_hsdp.verify.tolerance import Tolerance, ulp_floor

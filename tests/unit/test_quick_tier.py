@@ -55,6 +55,10 @@ FEATURES = {
     "gloo data plane + overlap": [
         "tests/e2e/test_dataplane_gloo.py::test_kill_table_on_gloo"
         "[W4S1-spare-promotion-blocking-overlap]"],
+    # the FSDP2 substrate (docs/fsdp2.md): a kill at fsdp=1 and at fsdp=2, both verified and
+    # compared with each other step by step
+    "FSDP2 substrate (parallel.fsdp=2)": [
+        "tests/e2e/test_fsdp2.py::test_fsdp2_agrees_with_fsdp1[W2S1G1-backward-kill]"],
 }
 
 #: tests/unit tests left out of the tier (a file, or one node id) -> why
