@@ -353,16 +353,18 @@ class StreamingMicrobatchSource(_SliceCursor):
         """Before producing slice position k != next_k: start from the nearest saved position at
         or below k when it is nearer than next_k (or k is behind us). Returns the record of the
         jump (``seeks``: documents read to reach k are added once k is produced) or None."""
-        pos = self.positions.nearest(k) if self.positions is not None else None
         ahead = k > self.next_k
+        if ahead and k - self.next_k < max(self.position_every, 1):
+            return None    # a short step forward (a sub-stream's siblings): read on, no load
+        pos = self.positions.nearest(k) if self.positions is not None else None
         if pos is not None and (int(pos["k"]) > self.next_k or not ahead):
             from_k = int(pos["k"])
             self.load_position(pos)
             in_file = _in_file_index(pos["dataset"])
-        elif ahead and k - self.next_k >= max(self.position_every, 1):
+        elif ahead:
             from_k, in_file = self.next_k, 0            # a long read forward, nothing saved
         else:
-            return None    # a short step forward; or behind us, nothing saved (replay_dir)
+            return None    # behind us, nothing saved: tokens() falls through to replay_dir
         seek = {"slice": self.replica, "to_k": int(k), "from_k": from_k,
                 "docs_in_file": in_file, "docs_before": self.docs_read}
         del self.seeks[:-99]
