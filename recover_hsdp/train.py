@@ -206,14 +206,19 @@ def _check_inputs(checked) -> None:
 # Launching one job
 # ---------------------------------------------------------------------------------------------
 def worker_fn_spec() -> str:
-    from recover_hsdp.launcher.command import DEFAULT_WORKER_FN, ENV_WORKER_FN
+    """RECOVER_HSDP_WORKER_FN under its gate (launcher/command.worker_fn_override: RuntimeError
+    when set and not honoured), else the trainer."""
+    from recover_hsdp.launcher.command import DEFAULT_WORKER_FN, worker_fn_override
 
-    return os.environ.get(ENV_WORKER_FN) or DEFAULT_WORKER_FN
+    return worker_fn_override() or DEFAULT_WORKER_FN
 
 
 def check_worker_available() -> str | None:
     """None if the worker function's module can be found, else why not (one line)."""
-    spec = worker_fn_spec()
+    try:
+        spec = worker_fn_spec()
+    except RuntimeError as e:       # the seam named without its gate
+        return str(e)
     module = spec.partition(":")[0]
     try:
         found = importlib.util.find_spec(module) is not None

@@ -319,6 +319,7 @@ def _bench_kills(args) -> dict:
 
 
 def _bench_plane_kills(args) -> dict:
+    from recover_hsdp.faults.signing import ENV_KEY, served_keys
     from recover_hsdp.hsdp.topology import ENV_STORE, serve_store
 
     kills = []
@@ -326,12 +327,14 @@ def _bench_plane_kills(args) -> dict:
     for _ in range(jobs):
         with serve_store("127.0.0.1") as addr:   # one store per job, as a launch has
             os.environ[ENV_STORE] = addr
+            os.environ[ENV_KEY] = served_keys[addr].hex()   # its job key (docs/security.md)
             try:
                 res = _launch(args.ranks, ["--worker", "plane_kill", "--kills-per-job",
                                            str(args.kills_per_job)], args.timeout, args.mca,
-                              export=[ENV_STORE])
+                              export=[ENV_STORE, ENV_KEY])
             finally:
                 os.environ.pop(ENV_STORE, None)
+                os.environ.pop(ENV_KEY, None)
         for survivors in zip(*[r["kills"] for r in res.values()]):
             kills.append({"size_before": survivors[0]["size_before"],
                           **{key: max(s[key] for s in survivors)

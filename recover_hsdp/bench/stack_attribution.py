@@ -231,6 +231,7 @@ def run_attribution(args: argparse.Namespace, work: Path, *, plain_command: Comm
     run_dir = work / "profiled"
     H.say("stack", "attribution: one profiled stack run")
     env = H.child_env(RECOVER_HSDP_WORKER_FN=f"{__name__}:profiled_worker",
+                      RECOVER_HSDP_ALLOW_WORKER_FN="1",    # the seam's gate, opened here
                       **{PROFILE_ENV: str(prof)})
     rc, output, _ = H.run_captured(stack_command(args, run_dir), args.timeout, env=env)
     if rc == 0 and prof.exists():

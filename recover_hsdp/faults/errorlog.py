@@ -102,14 +102,12 @@ def post(run_dir: os.PathLike | str, rec: dict, tb: str, cause: str,
 
     def send() -> None:
         try:
-            from datetime import timedelta
+            from recover_hsdp.faults.jobstore import open_store
 
-            import torch.distributed as dist
-
-            # the store's own timeout ends inside the join's (its retries log while fd 2 is off)
-            store = dist.TCPStore(host, int(port), None, is_master=False,
-                                  timeout=timedelta(seconds=max(0.1, 0.8 * timeout_s)),
-                                  wait_for_workers=False)
+            # the store's own timeout ends inside the join's (its retries log while fd 2 is off);
+            # the record is sealed with the job's key (the launcher refuses one that is not)
+            store = open_store(host, int(port), timeout_s=max(0.1, 0.8 * timeout_s),
+                               wait_for_workers=False)
             n = store.add(COUNT, 1)
             store.set(f"{PREFIX}{n}", payload)
             box["first"] = store.add(_cause_key(Path(run_dir), cause), 1) == 1

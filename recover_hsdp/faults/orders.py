@@ -13,6 +13,11 @@ writes its verdict (faults/hung.rank{g}.json, with ``killed_by``) only on "kille
 A stopped rank cannot serve, but any other rank of its node does (its mates of the replica, the
 other replicas on the node); a wedged rank's own heartbeat thread serves its own order. A node
 whose every rank is stopped is not reached (docs/faults.md): it is a lost node.
+
+Orders and answers carry the HMAC of the job's key (faults/signing.py; docs/security.md), bound
+to the host and the file name: a rank carries out no order without it (one line, no kill, no
+answer), and an answer without it is no answer (the watchdog ignores it; a rank of the host
+removes it and serves the order).
 """
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from recover_hsdp.faults import signing
 
 ORDERS_DIR = "orders"        # under ranks/
 
@@ -44,16 +51,25 @@ def proc_start(pid: int) -> Optional[int]:
     return int(rest[19])
 
 
+def _kind(order: Path, what: str) -> str:
+    """What an order's (or answer's) HMAC is bound to: its host folder and its file name."""
+    return f"{what}:{order.parent.name}/{order.name}"
+
+
 def order_kill(ranks_dir: os.PathLike | str, host: str, rank: int, pid: int,
-               start: Optional[int], reason: str, now: Optional[float] = None) -> Path:
+               start: Optional[int], reason: str, now: Optional[float] = None,
+               key: Any = "env") -> Path:
     """Write the order to SIGKILL rank ``rank`` (process ``pid`` started at ``start``) on
-    ``host``; returns the order's path (its answer: :func:`answer`)."""
+    ``host``, signed with ``key`` (the job's; default: the environment's; None: unsigned, which
+    no rank carries out); returns the order's path (its answer: :func:`answer`)."""
+    key = signing.env_key() if key == "env" else key
     d = host_dir(ranks_dir, host)
     d.mkdir(parents=True, exist_ok=True)
     p = d / f"kill.rank{int(rank)}.{int(pid)}.json"
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps({"rank": int(rank), "pid": int(pid), "start": start,
-                               "reason": reason, "time": time.time() if now is None else now}))
+    doc = {"rank": int(rank), "pid": int(pid), "start": start, "reason": reason,
+           "time": time.time() if now is None else now}
+    tmp.write_text(json.dumps(signing.sign_doc(key, _kind(p, "order"), doc) if key else doc))
     os.replace(tmp, p)
     return p
 
@@ -62,17 +78,47 @@ def ack_path(order: Path) -> Path:
     return order.with_name(order.name[:-len(".json")] + ".ack.json")
 
 
-def answer(order: Path) -> Optional[dict]:
-    """The answer to an order (None while no rank of its host has served it)."""
+def answer(order: Path, key: Any = "env") -> Optional[dict]:
+    """The answer to an order (None while no rank of its host has served it). With ``key``
+    (default: the environment's, signing.env_key) an answer without its HMAC is none (one line).
+    ``key=None``: unchecked."""
     try:
-        return json.loads(ack_path(order).read_text())
+        ans = json.loads(ack_path(order).read_text())
     except (OSError, ValueError):
         return None
+    key = signing.env_key() if key == "env" else key
+    if key is not None:
+        try:
+            signing.check_doc(key, _kind(order, "answer"), ans)
+        except signing.ForgedValue as e:
+            signing.say_once(("answer", str(order)), f"the answer to kill order {order.name} "
+                             f"was ignored: {e} (a forged or altered answer)")
+            return None
+    return ans
 
 
-def serve_orders(ranks_dir: os.PathLike | str, host: str, my_rank: int) -> list[dict]:
-    """Carry out the kill orders of this host that no rank has answered yet (called by each
-    rank's heartbeat thread on every beat); returns the answers written here."""
+def _forged_answer(order: Path, key: Optional[bytes]) -> bool:
+    """The order's answer is there, whole, and without the HMAC of ``key`` (one being
+    written, or any answer when this rank has no key, is not judged)."""
+    try:
+        ans = json.loads(ack_path(order).read_text())
+    except (OSError, ValueError):
+        return False
+    return key is not None and answer(order, key) is None and isinstance(ans, dict)
+
+
+def _refused(order: Path, why: str) -> None:
+    signing.say_once(("order", str(order)), f"kill order {order.parent.name}/{order.name} "
+                     f"refused: {why}; no rank killed (not the launcher's order)")
+
+
+def serve_orders(ranks_dir: os.PathLike | str, host: str, my_rank: int,
+                 key: Any = "env") -> list[dict]:
+    """Carry out the kill orders of this host that no rank has answered yet and that carry
+    the HMAC of ``key`` (default: the job's, from the environment; a rank without one carries
+    out none), called by each rank's heartbeat thread on every beat; returns the answers
+    written here."""
+    key = signing.env_key() if key == "env" else key
     d = host_dir(ranks_dir, host)
     try:
         names = [e.name for e in os.scandir(d)]
@@ -86,10 +132,19 @@ def serve_orders(ranks_dir: os.PathLike | str, host: str, my_rank: int) -> list[
             continue
         order = d / name
         if ack_path(order).name in done:
-            continue
+            if not _forged_answer(order, key):
+                continue
+            try:        # an answer without the job's HMAC answers nothing: served anew
+                os.unlink(ack_path(order))
+            except OSError:
+                continue
         try:
             o = json.loads(order.read_text())
+            signing.check_doc(key, _kind(order, "order"), o)
             pid, start = int(o["pid"]), o.get("start")
+        except signing.ForgedValue as e:
+            _refused(order, str(e))
+            continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         now_start = proc_start(pid)
@@ -112,7 +167,7 @@ def serve_orders(ranks_dir: os.PathLike | str, host: str, my_rank: int) -> list[
         except OSError:
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(rec))
+            f.write(json.dumps(signing.sign_doc(key, _kind(order, "answer"), rec)))
         out.append(rec)
         if result == "killed":
             try:

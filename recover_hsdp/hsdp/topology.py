@@ -326,10 +326,10 @@ def store_client(prefix: str | None = None, *, timeout_s: float = DEFAULT_STORE_
             f"{needed_by or 'this job'} needs the launcher-hosted store ({ENV_STORE} is not set; "
             "a store hosted by rank 0 dies with it): launch with `recover-hsdp train` or "
             "`recover-hsdp launch`, or use parallel.replicate_data_plane=ulfm")
-    host, port = _parse_host_port(address)
-    store = dist.TCPStore(host, port, world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    return dist.PrefixStore(prefix, store) if prefix else store
+    from recover_hsdp.faults.jobstore import open_store
+
+    host, port = _parse_host_port(address)   # signed with the job's key (faults/jobstore.py)
+    return open_store(host, port, timeout_s=timeout_s, world_size=world_size, prefix=prefix)
 
 
 def init_distributed_from_env(
@@ -350,14 +350,15 @@ def init_distributed_from_env(
     rank = _env_int("OMPI_COMM_WORLD_RANK", "RANK")
     world_size = _env_int("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
     limit_core_dumps()          # every rank: no core dump unless RECOVER_HSDP_CORE_DUMPS=1
-    store_timeout = timedelta(seconds=store_timeout_s)
     if os.environ.get(ENV_STORE):
         store = store_client(timeout_s=store_timeout_s, world_size=world_size)
     else:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = _env_int("MASTER_PORT")
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                              timeout=store_timeout)
+        from recover_hsdp.faults.jobstore import open_store
+
+        store = open_store(host, port, is_master=(rank == 0), world_size=world_size,
+                           timeout_s=store_timeout_s)   # rank 0 listens on MASTER_ADDR only
     timeout = timedelta(seconds=shard_timeout_s() if timeout_s is None else timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -378,19 +379,27 @@ def serve_store(host: str | None = None, *, timeout_s: float = DEFAULT_STORE_TIM
     ``errorlog.store_close_hooks`` before the store goes). ``host`` defaults to this machine's hostname (use the
     address the ranks can reach; 127.0.0.1 for a one-machine job).
     """
-    from recover_hsdp.faults import errorlog
+    from recover_hsdp.faults import errorlog, signing
+    from recover_hsdp.faults.jobstore import SignedStore, open_store
 
     host = host or socket.gethostname()
-    store = dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    # one address (what ``host`` resolves to here), not every interface; a fresh job key
+    raw = open_store(host, 0, is_master=True, timeout_s=timeout_s, wait_for_workers=False,
+                     key=None)
+    key = signing.new_key()
+    store = SignedStore(raw, key, what="the launcher's store", keep=False)
+    address = f"{host}:{raw.port}"
+    signing.served_keys[address] = key      # launcher/command.rank_env hands it to the ranks
     errorlog.served_stores.append(store)     # error records ranks post (launcher/errors.py)
     try:
-        yield f"{host}:{store.port}"
+        yield address
     finally:
+        signing.served_keys.pop(address, None)
         for hook in list(errorlog.store_close_hooks):   # read what was posted, then close
             try:
                 hook(store)
             except Exception:  # noqa: BLE001 - a hook must not keep the store from closing
                 pass
         errorlog.served_stores.remove(store)
-        del store
+        store.inner = None      # the server closes with its last reference
+        del store, raw

@@ -26,6 +26,23 @@ ENV_OMP = "OMP_NUM_THREADS"
 #: Test seam: "module:function" run by the worker instead of the trainer (default below).
 ENV_WORKER_FN = "RECOVER_HSDP_WORKER_FN"
 DEFAULT_WORKER_FN = "recover_hsdp.workers.resilient:run_worker"
+#: "1" opens the seam (the tests' environment, `bench stack --attribute`): without it only the
+#: toolkit's own loops (BUILTIN_WORKER_FNS) are honoured, never a module the environment names
+ENV_ALLOW_WORKER_FN = "RECOVER_HSDP_ALLOW_WORKER_FN"
+BUILTIN_WORKER_FNS = (DEFAULT_WORKER_FN, "recover_hsdp.workers.plain:run_plain_worker")
+
+
+def worker_fn_override(env: Mapping[str, str] | None = None) -> str | None:
+    """``RECOVER_HSDP_WORKER_FN`` when it is honoured (a built-in loop, or the seam opened by
+    ``RECOVER_HSDP_ALLOW_WORKER_FN=1``); None when unset; RuntimeError (one line) otherwise."""
+    env = os.environ if env is None else env
+    spec = env.get(ENV_WORKER_FN)
+    if not spec:
+        return None
+    if spec in BUILTIN_WORKER_FNS or env.get(ENV_ALLOW_WORKER_FN) == "1":
+        return spec
+    raise RuntimeError(f"{ENV_WORKER_FN}={spec!r} is a test seam, not honoured without "
+                       f"{ENV_ALLOW_WORKER_FN}=1 (unset it to run the trainer)")
 
 
 #: The collective components every ULFM launch selects (``--mca coll FT_COLL``): the ones the
@@ -138,8 +155,12 @@ def mpirun_command(np: int, config_path: str | os.PathLike, *, mpirun: str | Non
 def rank_env(store: str, *, omp_num_threads: int = 1, shard_timeout_s: float | None = None,
              base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment mpirun is started with (local ranks inherit it)."""
+    from recover_hsdp.faults.signing import ENV_KEY, key_env, served_keys
+
     env = dict(os.environ if base is None else base)
+    env.pop(ENV_KEY, None)      # never another store's key
     env[ENV_STORE] = store
+    env.update(key_env(served_keys.get(store)))    # the served store's job key (never printed)
     env[ENV_OMP] = str(omp_num_threads)
     if shard_timeout_s is not None:
         env[ENV_SHARD_TIMEOUT] = repr(float(shard_timeout_s))
@@ -160,7 +181,9 @@ def exported_vars(env: Mapping[str, str]) -> list[str]:
              "RECOVER_HSDP_STARTUP_FAULT", "RECOVER_HSDP_TEST_FAULT",
              "RECOVER_HSDP_ALLOW_TEST_FAULT", "RECOVER_HSDP_TEST_SHARD_WEDGE_S",
              "RECOVER_HSDP_TEST_GATE", "RECOVER_HSDP_CORE_DUMPS", "RECOVER_HSDP_LAUNCH_ID",
-             "RECOVER_HSDP_TEST_ID"]   # the test suite's tag: a leaked rank is found by it
+             "RECOVER_HSDP_TEST_ID",   # the test suite's tag: a leaked rank is found by it
+             "RECOVER_HSDP_JOB_KEY",   # faults/signing.ENV_KEY: -x names it, never its value
+             "RECOVER_HSDP_ALLOW_WORKER_FN"]
     return [n for n in names if n in env]
 
 

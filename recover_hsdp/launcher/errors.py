@@ -20,6 +20,7 @@ from typing import Any
 
 from recover_hsdp.faults import errorlog
 from recover_hsdp.faults.errorlog import COUNT, ERRORS_DIR, PREFIX, run_tag, write_record
+from recover_hsdp.faults.signing import ForgedValue
 
 _lock = threading.Lock()
 _read: dict[int, set] = {}                   # id(store) -> the numbers already read
@@ -54,8 +55,13 @@ def harvest(stores: Any = None) -> None:
                     key = f"{PREFIX}{i}"
                     if i in done or not store.check([key]):
                         continue
-                    _materialize(json.loads(store.get(key).decode()))
+                    try:
+                        item = json.loads(store.get(key).decode())
+                    except (ValueError, ForgedValue):   # not this job's: said in one line
+                        done.add(i)
+                        continue
                     done.add(i)
+                    _materialize(item)
             except Exception:  # noqa: BLE001 - a store going away: what was read stays
                 continue
 

@@ -112,6 +112,7 @@ def supervise(prepare: Prepare, *, run_dir: Path, np: int, watch: Optional[Watch
     thread, leaving this thread's signal handlers to the caller (a stop request).
     OSError / RuntimeError (the store cannot bind, no mpirun) propagate."""
     from recover_hsdp.faults.failstop import ENV_LAUNCH_ID
+    from recover_hsdp.faults.signing import served_keys, write_key_file
     from recover_hsdp.hsdp.topology import serve_store
     from recover_hsdp.launcher.run import run_job
     from recover_hsdp.launcher.startup import EndWatch, StartupWatch, clear_startup_state
@@ -124,12 +125,14 @@ def supervise(prepare: Prepare, *, run_dir: Path, np: int, watch: Optional[Watch
         if watching:
             clear_startup_state(run_dir)   # an earlier launch's heartbeats are not this one's
         with serve_store(store_host) as store:
+            key = served_keys[store]           # this launch's job key (docs/security.md)
+            write_key_file(run_dir, key)       # launcher/job.key, mode 0600
             cmd, env = prepare(store)
             wd = start = end = None
             if watching:
                 wd = HangWatchdog(run_dir, watch.hang_timeout_s, watch.heartbeat_s,
                                   watch.progress_timeout_s, floor_s=watch.floor_s,
-                                  shard_size=watch.shard_size or 1).start()
+                                  shard_size=watch.shard_size or 1, key=key).start()
                 start = StartupWatch(run_dir, np, watch.startup_timeout_s)
                 end = EndWatch(run_dir, np, stale_s=3 * watch.hang_timeout_s,
                                launch_id=env.get(ENV_LAUNCH_ID), deliver_s=watch.deliver_s)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from recover_hsdp.faults import orders
+from recover_hsdp.faults import orders, signing
 from recover_hsdp.faults.failstop import RANKS_DIR
 from recover_hsdp.launcher.reaper import MateReaper, alive as _alive, kill_recorded, write_verdict
 
@@ -48,8 +48,12 @@ class HangWatchdog:
                  progress_timeout_s=None,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
                  shard_size: int = 1, floor_s: float = PROGRESS_FLOOR_S,
-                 launch_id: Optional[str] = None):
+                 launch_id: Optional[str] = None, key: Optional[bytes] = None):
         self.run_dir = Path(run_dir)
+        #: the job's key, signing the kill orders (faults/orders.py): given, else the run's
+        #: launcher/job.key, else this process's environment's (faults/signing.py)
+        self.key = key if key is not None else (signing.read_key_file(self.run_dir)
+                                                or signing.env_key())
         self.timeout_s = float(timeout_s)
         self.period_s = float(period_s)
         self.auto = progress_timeout_s == "auto"
@@ -189,7 +193,7 @@ class HangWatchdog:
         """Order rank g's node to SIGKILL it; the verdict (faults/{verdict}.rank{g}.json) is
         written when the order is answered "killed"."""
         path = orders.order_kill(self.run_dir / RANKS_DIR, str(hb.get("host")), g, pid,
-                                 hb.get("start"), why, now)
+                                 hb.get("start"), why, now, key=self.key)
         rec = {"rank": g, "pid": pid, "host": hb.get("host"), "reason": why, "time": now,
                "last_heartbeat": hb.get("time")}
         if "mate" in hb:
@@ -200,7 +204,7 @@ class HangWatchdog:
         """The kill orders its node has answered: "killed" is a verdict (faults/hung.rank{g})."""
         out = []
         for g, (path, rec, verdict) in list(self._orders.items()):
-            ans = orders.answer(path)
+            ans = orders.answer(path, self.key)   # unsigned: no answer (one line)
             if ans is None:
                 continue
             del self._orders[g]

@@ -75,8 +75,11 @@ def run_with_store(cmd: list[str], env: dict, *, timeout: float,
     """Run ``cmd`` (an mpirun line) with a store served by this process (RECOVER_HSDP_STORE in
     ``env``), output captured; past ``timeout`` the whole process group is SIGKILLed and the
     test fails with ``hung`` and the output's tail."""
+    from recover_hsdp.faults.signing import key_env, served_keys
+
     with serve_store() as addr:
         env["RECOVER_HSDP_STORE"] = addr
+        env.update(key_env(served_keys.get(addr)))   # the store's job key, as a launch hands
         return run_group(cmd, env, timeout=timeout, hung=hung)
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from recover_hsdp.faults import errorlog
 from recover_hsdp.faults import failstop as fs
+from recover_hsdp.faults.signing import ENV_KEY, served_keys
 from recover_hsdp.launcher import judge
 from recover_hsdp.launcher.startup import StartupWatch
 
@@ -56,7 +57,10 @@ def _rank_env(address: str) -> dict:
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_RANK", "RANK")}
+    from recover_hsdp.faults.signing import key_env, served_keys
+
     env.update(PYTHONPATH=str(ROOT), RECOVER_HSDP_STORE=address)
+    env.update(key_env(served_keys.get(address)))     # the job key a launch hands its ranks
     return env
 
 
@@ -108,6 +112,7 @@ def test_unwritable_on_the_launchers_node_too_lands_in_its_fallback_dir(tmp_path
     monkeypatch.setattr(errorlog, "fallback_dir", lambda d: shm)
     with serve_store("127.0.0.1") as address:
         monkeypatch.setenv("RECOVER_HSDP_STORE", address)
+        monkeypatch.setenv(ENV_KEY, served_keys[address].hex())   # the job key of that store
         rec = {"rank": 3, "replica": 1, "class": "OSError", "message": "No space left",
                "where": "w", "step": 2}
         got = errorlog.post(run, rec, "Traceback ...\nOSError: No space left\n", "c")
@@ -187,11 +192,13 @@ def test_the_rank_parent_of_a_custom_loop_posts_to_the_store_when_errors_is_unwr
     text = "Traceback (most recent call last):\n  ...\nKeyError: 'vocab'\n"
     with serve_store("127.0.0.1") as address:
         monkeypatch.setenv("RECOVER_HSDP_STORE", address)
+        monkeypatch.setenv(ENV_KEY, served_keys[address].hex())   # the job key of that store
         assert record_error(run, run / "errors" / "rank1.traceback.txt", text, rec) == "store"
         errs = judge.read_errors(run)        # read while the store serves (as the launcher)
     assert [(e["rank"], e["via"], e["class"]) for e in errs] == [(1, "store", "KeyError")]
     assert (shm / "rank1.traceback.txt").read_text() == text      # written down by the reader
     monkeypatch.delenv("RECOVER_HSDP_STORE")
+    monkeypatch.delenv(ENV_KEY)
     assert record_error(run, run / "errors" / "rank2.traceback.txt", text,
                         dict(rec, rank=2)) == "fallback"
     assert json.loads((shm / "rank2.json").read_text())["class"] == "KeyError"

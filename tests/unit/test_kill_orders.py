@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.faults import orders
+from recover_hsdp.faults import orders, signing
 from recover_hsdp.launcher.startup import clear_startup_state
 from recover_hsdp.launcher.watchdog import HangWatchdog
 from tests._wait import Deadline, until, wait_dead
@@ -44,6 +44,16 @@ while True:
     time.sleep(0.02)        # the child's own pace (busy or idle); no order depends on it
 """
 BEAT_S = 0.05
+
+
+@pytest.fixture(autouse=True)
+def job_key(monkeypatch):
+    """A launch's job key in the environment (the children's, and this process's: the orders
+    are signed and checked with it, faults/signing.py); tests/unit/test_forged_orders.py checks
+    that an order without it is refused."""
+    key = signing.new_key()
+    monkeypatch.setenv(signing.ENV_KEY, key.hex())
+    return key
 
 
 def _spawn(run_dir: Path, g: int, mode: str) -> subprocess.Popen:
