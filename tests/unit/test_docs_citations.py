@@ -1,0 +1,108 @@
+"""No Markdown file of the repository cites evidence a reader cannot open, or names a stale thing.
+
+The rule, over every tracked ``*.md`` file (``git ls-files``), anywhere in its text: prose,
+tables, inline code and fenced code blocks alike:
+
+* ``../shared`` (the folder outside the repository that the sessions which built this project
+  shared) and any absolute path under ``/work/`` (that machine's checkout and shared folder) are
+  refused: a reader of the repository has neither. Evidence is cited by its path in the
+  repository (``docs/results/...``, a test, an ``experiments/`` script) or its figures are
+  written out in the doc.
+* any absolute path under ``/tmp/`` is refused, in a command too: a run directory or log under
+  ``/tmp`` is machine-local, so a doc that names one either cites a result nobody else can read
+  (prose, a table) or gives an example command whose output a reader might take for the record.
+  Example commands write to a placeholder: ``RUN_DIR``, ``runs/NAME``, ``$OUT``, ``DIR``. A path
+  that merely contains ``/tmp/`` after a name (``runs/tmp/x``) is a relative path and allowed.
+  A doc that must describe where the code itself writes temporary files says "the system
+  temporary directory" or ``$TMPDIR``.
+* stale names: ``recover_hsdp/resume.py`` (the segment loop is ``recover_hsdp/launcher/resume.py``)
+  and the old key in use, ``run.resume=...`` (it is ``checkpoint.resume``; the old key is still
+  accepted, and docs/cli.md's map of old keys may name it without a value).
+
+Each hit is reported as ``file:line: the match`` so the fix is one look away. No torch, no
+processes; a planted case for every rule shows the check can fail.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (make test-quick)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: (name, pattern): each a reason a line of a Markdown file is refused
+RULES: list[tuple[str, re.Pattern]] = [
+    ("../shared: a folder outside the repository", re.compile(r"\.\./shared\b")),
+    ("/work/...: a machine-local absolute path", re.compile(r"(?<![\w.~$/-])/work/\S*")),
+    ("/tmp/...: a machine-local result or output directory (use RUN_DIR, runs/NAME)",
+     re.compile(r"(?<![\w.~$/-])/tmp/\S*")),
+    ("recover_hsdp/resume.py: stale (recover_hsdp/launcher/resume.py)",
+     re.compile(r"(?<![\w/])recover_hsdp/resume\.py")),
+    ("run.resume=: stale key (checkpoint.resume)", re.compile(r"(?<![\w.])run\.resume=\S*")),
+]
+
+
+def hits(text: str, name: str = "<text>") -> list[str]:
+    """Every refused match in ``text``, as ``name:line: match (rule)``."""
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        for why, pat in RULES:
+            for m in pat.finditer(line):
+                out.append(f"{name}:{i}: {m.group(0)}  ({why})")
+    return out
+
+
+def tracked_markdown() -> list[Path]:
+    r = subprocess.run(["git", "ls-files", "-z", "*.md"], cwd=ROOT, capture_output=True,
+                       check=False)
+    if r.returncode != 0:                      # not a git checkout (an sdist): every .md file
+        return sorted(p for p in ROOT.rglob("*.md")
+                      if not any(part.startswith(".") or part in ("build", "runs")
+                                 for part in p.relative_to(ROOT).parts))
+    return [ROOT / n for n in r.stdout.decode().split("\0") if n]
+
+
+def test_no_markdown_cites_evidence_outside_the_repository_or_a_stale_name():
+    files = tracked_markdown()
+    assert len(files) >= 20, f"found only {len(files)} Markdown files: the listing is broken"
+    found = []
+    for p in files:
+        if p.is_file():                        # tracked but deleted in the work tree: skip
+            found += hits(p.read_text(encoding="utf-8", errors="replace"),
+                          str(p.relative_to(ROOT)))
+    assert not found, ("docs cite evidence outside the repository or a stale name "
+                       "(tests/unit/test_docs_citations.py has the rule):\n  "
+                       + "\n  ".join(found))
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("torchft is tuned as in ../shared/notes/peers.md", "../shared"),
+    ("| S=1 (/tmp/j15m2) | 0.59 s |", "/tmp/"),
+    ("report in /tmp/soak41.log", "/tmp/"),
+    ("`--out /tmp/soak29`: 16/16 OK", "/tmp/"),
+    ("```\nrecover-hsdp verify /tmp/b/honest\n```", "/tmp/"),
+    ("measured (/work/shared/notes/feasibility.md)", "/work/"),
+    ("the segment loop, recover_hsdp/resume.py, ends", "recover_hsdp/resume.py"),
+    ("the requeued job adds `run.resume=true`", "run.resume="),
+])
+def test_each_rule_catches_its_planted_case(text, rule):
+    found = hits(text)
+    assert len(found) == 1 and rule in found[0], found
+
+
+@pytest.mark.parametrize("text", [
+    "recover-hsdp verify RUN_DIR --keep-going",
+    "python -m experiments.longrun --runs runs/longrun --out docs/results",
+    "a relative runs/tmp/x is in the checkout",
+    "`launch/bench_gpu.sh` makes a venv in the system temporary directory ($TMPDIR)",
+    "the segment loop (recover_hsdp/launcher/resume.py)",
+    "`checkpoint.resume=true` continues the run",
+    "`run.keep_every`, `run.resume` -> `checkpoint.*` (the map of old keys)",
+    "see docs/results/peers/tiny_r1.json and tests/e2e/test_slurm.py",
+])
+def test_placeholders_and_repository_paths_pass(text):
+    assert hits(text) == []
