@@ -13,22 +13,35 @@ WORDS = ("the river stone light garden winter paper market signal harbour orchar
          "lantern copper meadow thunder velvet anchor bridge candle").split()
 
 
-def write_c4(root: Path, shards: int = SHARDS, docs_per_shard: int = DOCS_PER_SHARD) -> Path:
-    """``shards`` train shards of ``docs_per_shard`` short documents, one validation shard."""
+def write_c4(root: Path, shards: int = SHARDS, docs_per_shard: int = DOCS_PER_SHARD, *,
+             fmt: str = "json.gz") -> Path:
+    """``shards`` train shards of ``docs_per_shard`` short documents, one validation shard;
+    ``fmt`` json.gz (the hub's allenai/c4) or parquet (the hub's parquet conversion layout)."""
     (root / "en").mkdir(parents=True)
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
-        "    path: \"en/c4-train.*.json.gz\"\n  - split: validation\n"
-        "    path: \"en/c4-validation.*.json.gz\"\n---\n# a C4-format test dataset\n")
+        f"    path: \"en/c4-train.*.{fmt}\"\n  - split: validation\n"
+        f"    path: \"en/c4-validation.*.{fmt}\"\n---\n# a C4-format test dataset\n")
     n = 0
     for s in range(shards):
-        with gzip.open(root / "en" / f"c4-train.{s:05d}-of-{shards:05d}.json.gz", "wt") as f:
-            for i in range(docs_per_shard):
-                words = [WORDS[(n * 7 + j * j + s) % len(WORDS)] for j in range(3 + (n * 5) % 8)]
-                f.write(json.dumps({"text": f"Document {n}. " + " ".join(words) + ".",
-                                    "timestamp": "2019-04-25T12:57:54Z",
-                                    "url": f"https://example.org/{n}"}) + "\n")
-                n += 1
-    with gzip.open(root / "en" / "c4-validation.00000-of-00001.json.gz", "wt") as f:
-        f.write(json.dumps({"text": "held out", "timestamp": "", "url": ""}) + "\n")
+        rows = []
+        for i in range(docs_per_shard):
+            words = [WORDS[(n * 7 + j * j + s) % len(WORDS)] for j in range(3 + (n * 5) % 8)]
+            rows.append({"text": f"Document {n}. " + " ".join(words) + ".",
+                         "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.org/{n}"})
+            n += 1
+        _write(root / "en" / f"c4-train.{s:05d}-of-{shards:05d}.{fmt}", rows, fmt)
+    _write(root / "en" / f"c4-validation.00000-of-00001.{fmt}",
+           [{"text": "held out", "timestamp": "", "url": ""}], fmt)
     return root
+
+
+def _write(path: Path, rows: list, fmt: str) -> None:
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)
+        return
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)

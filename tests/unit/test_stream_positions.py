@@ -30,9 +30,10 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
-@pytest.fixture(scope="module")
-def c4(tmp_path_factory):
-    return write_c4(tmp_path_factory.mktemp("c4") / "c4", shards=4, docs_per_shard=10)
+@pytest.fixture(scope="module", params=["json.gz", "parquet"])
+def c4(tmp_path_factory, request):
+    return write_c4(tmp_path_factory.mktemp("c4") / "c4", shards=4, docs_per_shard=10,
+                    fmt=request.param)
 
 
 def _cfg(c4, **kw):
