@@ -86,7 +86,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--staging-mb", type=float, default=None,
                    help="bucket size of section 4 (default 256 MB on GPU, 8 MB on CPU)")
     p.add_argument("--staging-worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(list(argv))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="a config override for every resilient training run (repeatable), "
+                        "e.g. --set parallel.fsdp=2 (docs/fsdp2.md); the plain-FSDP arms "
+                        "(baseline=reference) do not take it")
+    args = p.parse_args(list(argv))
+    for s in args.sets:
+        if "=" not in s or not s.split("=", 1)[0]:
+            p.error(f"--set {s!r}: expected KEY=VALUE")
+    return args
 
 
 # ------------------------------------------------------------------------------------------
@@ -183,7 +191,9 @@ class Bench:
 
     def train(self, run_dir: Path, overrides: Sequence[str], timeout: float) -> tuple[int, float]:
         limit = max(5.0, min(timeout, self.left()) - 10)
-        cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", *overrides,
+        plain = any(o.startswith("baseline=") and o != "baseline=none" for o in overrides)
+        sets = [] if plain else list(getattr(self.args, "sets", []))   # --set: resilient runs
+        cmd = [sys.executable, "-m", "recover_hsdp.cli", "train", *overrides, *sets,
                f"run.output_dir={run_dir}", "run.overwrite=true", "run.log_every=1",
                f"run.time_limit_s={limit:.0f}"]
         rc, wall = self._run(cmd, run_dir.parent / f"{run_dir.name}.log", timeout)

@@ -65,8 +65,8 @@ class HSDPULFMTrainingManager:
 
     model: an nn.Module initialised IDENTICALLY on every rank (same seed). auto_wrap_policy: the
     FSDP wrap policy (e.g. per decoder block). optimizer_factory(fsdp_module) -> Optimizer.
-    microbatch_fn(replica, microbatch_id) -> (inputs, targets) for the replica's WHOLE microbatch
-    (S * micro_batch_size rows); shard rank j trains on rows [j*mbs, (j+1)*mbs).
+    microbatch_fn(replica, microbatch_id) -> (inputs, targets): the data OF THE ID, whichever replica
+    computes it (S * micro_batch_size rows); shard rank j trains on rows [j*mbs, (j+1)*mbs).
     loss_fn(module, inputs, targets) -> the MEAN loss over the given rows (the manager scales it by
     1/S so the S ranks of a replica add up to the microbatch mean).
     lr_fn(step) -> lr, optional; set into every param group before each optimizer step.
