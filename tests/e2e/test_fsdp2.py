@@ -262,3 +262,23 @@ def test_custom_loop_with_its_own_fully_shard_under_launch_verifies(tmp_path):
     assert v.returncode == 0, vt[-4000:]
     ok = [int(m.group(1)) for m in re.finditer(r"^step (\d+): .* ok \(", vt, re.M)]
     assert ok == list(range(6)), vt[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_on_the_gloo_data_plane(tmp_path):
+    """fsdp=2 buckets on the async gloo data plane (docs/dataplane.md): a kill while a bucket's
+    reduction is in flight (a boundary), then a kill in a backward: every step committed, verify
+    OK (the substrate and the plane meet only at the buckets)."""
+    failures = {"kind": "schedule", "schedule": [K(1, 2, "reduce_inflight", bucket=1),
+                                                 K(2, 1, "backward", microbatch=0)]}
+    from recover_hsdp.record import read_run
+
+    cfg = _cfg(tmp_path, W=3, S=2, G=2, steps=STEPS)
+    cfg["parallel"].update(fsdp=2, replicate_data_plane="gloo")
+    cfg["failures"] = failures
+    out = run_training(cfg)
+    run_dir = Path(cfg["run"]["output_dir"])
+    assert out.returncode == 0, (out.stdout or "")[-4000:]
+    rec = read_run(run_dir)
+    assert rec.committed == list(range(STEPS)) and rec.steps[STEPS - 1].alive == [0]
+    check_bitwise_and_verify(run_dir, STEPS, 2, out)
