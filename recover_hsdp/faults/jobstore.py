@@ -51,7 +51,8 @@ def _bytes(v: Any) -> bytes:
 
 
 class SignedStore(dist.Store):
-    """``inner`` (a TCPStore) under ``prefix``, every value sealed with ``key`` on the way in and
+    """``inner`` (a TCPStore) under ``prefix`` (keys named as dist.PrefixStore names them),
+    every value sealed with ``key`` on the way in and
     checked on the way out (faults/signing.seal / unseal, bound to the full store key)."""
 
     def __init__(self, inner, key: bytes, prefix: str = "", what: str = "store",
@@ -66,6 +67,10 @@ class SignedStore(dist.Store):
             with _alive_lock:
                 _alive.append(self)
 
+    def _name(self, key: str) -> str:
+        """The key in ``inner``: as dist.PrefixStore names it (``prefix/key``)."""
+        return f"{self.prefix}/{key}" if self.prefix else key
+
     # ---- values: sealed / opened -------------------------------------------------------------
     def _open(self, name: str, raw: bytes) -> bytes:
         try:
@@ -77,11 +82,11 @@ class SignedStore(dist.Store):
             raise StoreForgery(line) from None
 
     def set(self, key: str, value) -> None:
-        name = self.prefix + key
+        name = self._name(key)
         self.inner.set(name, signing.seal(self._key, name, _bytes(value)))
 
     def get(self, key: str) -> bytes:
-        name = self.prefix + key
+        name = self._name(key)
         return self._open(name, self.inner.get(name))
 
     def multi_get(self, keys: list) -> list:
@@ -92,7 +97,7 @@ class SignedStore(dist.Store):
             self.set(k, v)
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        name = self.prefix + key
+        name = self._name(key)
         exp = _bytes(expected)
         raw_exp = signing.seal(self._key, name, exp) if exp else b""
         got = self.inner.compare_set(name, raw_exp, signing.seal(self._key, name,
@@ -101,20 +106,20 @@ class SignedStore(dist.Store):
 
     # ---- what carries no value: passed through (module docstring) ---------------------------
     def add(self, key: str, value: int) -> int:
-        return self.inner.add(self.prefix + key, value)
+        return self.inner.add(self._name(key), value)
 
     def check(self, keys: list) -> bool:
-        return self.inner.check([self.prefix + k for k in keys])
+        return self.inner.check([self._name(k) for k in keys])
 
     def wait(self, keys: list, timeout: Optional[timedelta] = None) -> None:
-        names = [self.prefix + k for k in keys]
+        names = [self._name(k) for k in keys]
         if timeout is None:
             self.inner.wait(names)
         else:
             self.inner.wait(names, timeout)
 
     def delete_key(self, key: str) -> bool:
-        return self.inner.delete_key(self.prefix + key)
+        return self.inner.delete_key(self._name(key))
 
     def num_keys(self) -> int:
         return self.inner.num_keys()
