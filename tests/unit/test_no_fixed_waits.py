@@ -342,7 +342,24 @@ def _wait_kind(t: _Tree, n: ast.Call) -> str | None:
             return None
     if isinstance(p, ast.While) and p.test is n:
         return None
+    if _asserted(t, n):
+        return None                                        # assert p.wait(30) == -9: a bound
     return "wait decides"
+
+
+def _asserted(t: _Tree, n: ast.AST) -> bool:
+    """``n`` is part of what an assert tests, through comparisons, ``and``, ``not`` only (an
+    ``or`` or an ``if`` expression could let the test pass at the timeout)."""
+    child = n
+    for a in t.up(n):
+        if isinstance(a, ast.Assert):
+            return a.test is child
+        if not (isinstance(a, ast.Compare) or isinstance(a, ast.BoolOp) and
+                isinstance(a.op, ast.And) or isinstance(a, ast.UnaryOp) and
+                isinstance(a.op, ast.Not)):
+            return False
+        child = a
+    return False
 
 
 def _caught(t: _Tree, n: ast.Call) -> bool:
@@ -487,6 +504,7 @@ FLAG = {
     "if not wait else": "def f(ev):\n    if not ev.wait(1):\n        a()\n    else:\n"
                         "        b()\n",
     "wait assigned": "def f(ev):\n    ok = ev.wait(1)\n    return ok\n",
+    "assert wait or": "def f(ev, x):\n    assert ev.wait(1) or x\n",
     "wait_for": "def f(c, p):\n    if c.wait_for(p, timeout=1):\n        go()\n",
     "join": "def f(t):\n    t.join(5)\n    go()\n",
     "join timeout kw": "def f(t):\n    t.join(timeout=5)\n",
@@ -538,6 +556,7 @@ PASS = {
     "proc wait raises": "import subprocess\ndef f(p):\n    try:\n        p.wait(2)\n"
                         "    except subprocess.TimeoutExpired:\n        p.kill()\n"
                         "        raise AssertionError('hung')\n",
+    "assert wait compared": "def f(victim):\n    assert victim.wait(30) == -9\n",
     "queue get bound": "def f(q):\n    return q.get(timeout=10)\n",
     "join checked": "def f(t):\n    t.join(10)\n    assert not t.is_alive()\n",
     "join loop checked": "def f(ts):\n    for t in ts:\n        t.join(10)\n"
