@@ -58,6 +58,15 @@ class RankBuild:
 
         return build_model(self.model_cfg, seed=self.cfg.run.seed if seed is None else seed)
 
+    def model_line(self, model) -> str:
+        """The run's first worker line: the model's parameter count as built (tied embeddings
+        counted once), its vocabulary and where that came from, and the data."""
+        n = sum(p.numel() for p in model.parameters())
+        tok = self.data.tokenizer or "the embedded tokenizer"
+        return (f"model {getattr(self.cfg.model, 'name', '?')}: {n:,} parameters as built "
+                f"({n / 1e6:.2f} M; vocab {self.model_cfg.vocab_size} from {tok}; data "
+                f"{self.data.source}{'' if self.data.random_access else ', streamed'})")
+
     def optimizer(self, module):
         from recover_hsdp.optim import build_optimizer
 

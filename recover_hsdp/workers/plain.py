@@ -259,6 +259,7 @@ def run_plain_worker(cfg: Any) -> int:
 
     # --- model, data, optimizer: as the resilient trainer ---------------------------------
     model = b.model()
+    model_line = b.model_line(model)   # the parameter count as built (before wrapping)
     module = wrap_plain(model, shard_pg, replicate_pg, S, device, fsdp_wrap_policy(),
                         mixed_precision=fh.bf16_mixed_precision() if mp == "bf16" else None)
     optimizer = b.optimizer(module)
@@ -331,6 +332,7 @@ def run_plain_worker(cfg: Any) -> int:
             events("ckpt_load_end", resume)
     is_logger = rank == 0
     if is_logger:
+        print(model_line, flush=True)
         print(f"[{mode}] attempt {attempt}: " + (f"resuming at step {start} from "
                                                    f"{checkpoint_path(run_dir, start)}"
                                                    if start else "starting at step 0"),

@@ -47,13 +47,10 @@ def run_worker(cfg: Any) -> int:
     w0 = _source_width(W)       # sources by INITIAL slice (a resume may change W)
 
     device = rank_device(run.gpus_per_node, S, run.device)
-    n_params = sum(p.numel() for p in model.parameters())   # as built (tied: counted once)
+    model_line = b.model_line(model)   # the parameter count as built (before wrapping)
     mgr = b.manager(model, width=w0, device=device)   # every config keyword: build.py
     if _is_logger(mgr):
-        tok = b.data.tokenizer or "the embedded tokenizer"
-        print(f"model {getattr(cfg.model, 'name', '?')}: {n_params:,} parameters as built "
-              f"({n_params / 1e6:.2f} M; vocab {b.model_cfg.vocab_size} from {tok}; data "
-              f"{b.data.source}{'' if b.data.random_access else ', streamed'})", flush=True)
+        print(model_line, flush=True)
     n_buckets = len(mgr.substrate.bucket_names(mgr.module))
     schedule = FailuresConfig.from_mapping(c["failures"]).build(
         W + mgr.standby, S, G, n_buckets, steps=steps, base_dir=None)
