@@ -140,3 +140,60 @@ def test_a_foreign_client_on_the_port_makes_no_rank_act_on_a_forged_value(tmp_pa
     _verify_ok(out)
     print(f"forged: {len(on_dp)} data-plane refusal line(s), 1 error-record refusal; "
           f"planted {sum(planted.values())} times on {len(targets)} keys; verify OK")
+
+
+@pytest.mark.timeout(300)
+def test_a_forged_kill_order_kills_no_rank(tmp_path):
+    """Held before step 2, orders to SIGKILL every rank are written into ranks/orders/<host>/
+    the way the watchdog writes them, but unsigned and signed with another key; two heartbeats
+    later (the ranks' heartbeat threads serve orders on every beat) the gate is released: no
+    rank is killed, each rank says of each order in one line that it refused it, every step
+    commits with every replica alive, verify OK."""
+    import socket
+
+    from recover_hsdp.faults import orders
+
+    dl = current_deadline()
+    out, W, steps, at = tmp_path / "run", 2, 4, 2
+    gate = TestGate(tmp_path / "gate", hold=[at], ranks=range(W), timeout_s=200)
+    p = _train(tmp_path, f"parallel.replicas={W}", f"run.steps={steps}",
+               f"run.output_dir={out}", "watchdog.hang_timeout_s=60",
+               "watchdog.heartbeat_s=0.25", "watchdog.shard_timeout_s=90", gate=gate)
+    try:
+        gate.wait_held(at, Deadline(dl.left() - 60), alive=lambda: p.poll() is None)
+        beats = {g: json.loads((out / "ranks" / f"rank{g}.json").read_text()) for g in range(W)}
+        host = beats[0]["host"]
+        assert host == socket.gethostname()
+        written = []
+        for g, hb in beats.items():
+            written.append(orders.order_kill(out / "ranks", host, g, hb["pid"], hb.get("start"),
+                                             "forged", key=None))
+        g, hb = 1, beats[1]
+        other = orders.order_kill(out / "ranks", host, g, hb["pid"], hb.get("start"), "forged",
+                                  key=signing.new_key())
+        written[1] = other           # rank 1's order: signed with another key (same file name)
+        t = max(json.loads(f.read_text())["time"] for f in written)
+
+        def served() -> bool:       # every rank beat twice since (each beat serves the orders)
+            hbs = [json.loads((out / "ranks" / f"rank{g}.json").read_text()) for g in range(W)]
+            return all(h["time"] > t + 0.5 for h in hbs)
+
+        until(served, Deadline(60), "two heartbeats after the forged orders",
+              alive=lambda: p.poll() is None)
+        assert all(not orders.ack_path(f).exists() for f in written)
+        gate.release(at)
+        stdout, _ = p.communicate(timeout=dl.left() - 30)
+    finally:
+        if p.poll() is None:
+            kill_tree(p)
+            p.communicate()
+    assert p.returncode == 0, stdout[-6000:]
+    refused = [ln for ln in stdout.splitlines() if "kill order" in ln and "refused" in ln]
+    for f in written:
+        assert any(f.name in ln and "no rank killed" in ln for ln in refused), stdout[-6000:]
+    rec = read_run(out)
+    assert rec.committed == list(range(steps))
+    assert sorted(rec.summary["replicas_alive"]) == list(range(W))
+    assert not any(rec.steps[s].failures for s in rec.committed)
+    _verify_ok(out)
+    print(f"forged kill orders: {len(written)}, refusal lines {len(refused)}, no rank killed")
