@@ -246,7 +246,9 @@ def _lost_blocks(rec) -> dict[int, int]:
     return lost
 
 
-def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
+def _judge(res: dict, run_dir: Path, W: int, S: int, seen_lost=None) -> None:
+    """``seen_lost``: replicas seen reported lost while the run went (a node loss's relaunch
+    redoes, and so rewrites, the steps after its checkpoint: chaos_nodes.py)."""
     from recover_hsdp.record import RecordError, read_run
 
     try:
@@ -280,7 +282,7 @@ def _judge(res: dict, run_dir: Path, W: int, S: int) -> None:
     res["false_detections"] = [int(p.name[len("hung.rank"):-len(".json")]) for p in hung_files
                                if int(p.name[len("hung.rank"):-len(".json")]) not in stopped]
     complete = res["committed"] == res["steps"]
-    missing = {f["replica"] for f in res["faults"]} - set(lost)
+    missing = {f["replica"] for f in res["faults"]} - set(lost) - set(seen_lost or ())
     unfired = res.get("unfired") or []
     ok = complete and not res["hung"] and not missing and not unfired
     reason = ""
@@ -398,6 +400,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--work-dir", "--out", dest="out", default="runs/chaos", metavar="DIR",
                     help="output folder: one run directory and log per run, results.jsonl, "
                          "report.txt (old spelling: --out; every command's --out is a file)")
+    ap.add_argument("--nodes", type=int, default=1, metavar="N",
+                    help="namespaced nodes on a bridge (as root; recover_hsdp/tools/chaos_nodes.py):"
+                         " N > 1 runs each job across them, W / N replicas per node, rank faults "
+                         "on every node and node losses")
+    ap.add_argument("--node-loss", type=float, default=0.5, metavar="P",
+                    help="with --nodes > 1: the fraction of runs that lose a whole remote node "
+                         "(its daemon and ranks; the job goes on by the checkpoint relaunch)")
+    ap.add_argument("--ckpt-interval", type=int, default=3, metavar="N",
+                    help="with --nodes > 1: run.ckpt_interval (a node loss resumes from the "
+                         "newest complete checkpoint; the steps since are redone)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="extra `recover-hsdp train` overrides, applied to every run")
     return ap
@@ -425,6 +437,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.replicas < 2:
         print("recover-hsdp chaos: --replicas must be >= 2", file=sys.stderr)
         return 2
+    if args.nodes < 1 or not 0 <= args.node_loss <= 1 or args.ckpt_interval < 1:
+        print("recover-hsdp chaos: --nodes and --ckpt-interval must be >= 1, --node-loss in "
+              "[0, 1]", file=sys.stderr)
+        return 2
+    if args.nodes > 1:
+        from recover_hsdp.tools import chaos_nodes
+
+        return chaos_nodes.soak(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
