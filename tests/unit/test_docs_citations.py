@@ -19,8 +19,11 @@ tables, inline code and fenced code blocks alike:
   and the old key in use, ``run.resume=...`` (it is ``checkpoint.resume``; the old key is still
   accepted, and docs/cli.md's map of old keys may name it without a value).
 
-Each hit is reported as ``file:line: the match`` so the fix is one look away. No torch, no
-processes; a planted case for every rule shows the check can fail.
+Each hit is reported as ``file:line: the match`` so the fix is one look away. The index pages a
+new user starts from (README.md, docs/README.md, docs/getting_started.md) must also point only at
+what exists: every relative Markdown link ``[..](path#anchor)`` and every ``docs/*.md``,
+``launch/*``, ``examples/*``, ``conf/...``, ``tests/...`` path they name resolves to a file or folder of
+the checkout. No torch, no processes; a planted case for every rule shows the check can fail.
 """
 from __future__ import annotations
 
@@ -106,3 +109,47 @@ def test_each_rule_catches_its_planted_case(text, rule):
 ])
 def test_placeholders_and_repository_paths_pass(text):
     assert hits(text) == []
+
+
+#: the pages a new user starts from: every path they name must exist
+INDEX_PAGES = ["README.md", "docs/README.md", "docs/getting_started.md"]
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_PATH = re.compile(r"(?<![\w./-])((?:docs|launch|examples|conf|tests|experiments)/[\w./-]*\w)")
+
+
+def dangling(text: str, page: Path, root: Path = ROOT) -> list[str]:
+    """Relative links and repository paths named in ``text`` (the page ``page``) that do not exist."""
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        for m in _LINK.finditer(line):
+            target = m.group(1).split("#", 1)[0]
+            if not target or "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                out.append(f"{page.name}:{i}: link {m.group(1)}")
+        for m in _PATH.finditer(line):
+            path = m.group(1).rstrip(".")
+            if any(c in path for c in "*<>{}") or path.endswith("/NAME"):
+                continue
+            if not (root / path).exists() and not (root / path.split("::")[0]).exists():
+                out.append(f"{page.name}:{i}: path {path}")
+    return out
+
+
+def test_index_pages_name_only_what_exists():
+    found = []
+    for name in INDEX_PAGES:
+        page = ROOT / name
+        assert page.is_file(), f"{name} is missing"
+        found += dangling(page.read_text(encoding="utf-8"), page)
+    assert not found, "the index pages name what does not exist:\n  " + "\n  ".join(found)
+
+
+def test_a_dangling_link_or_path_is_caught(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "gpu.md").write_text("x")
+    page = tmp_path / "docs" / "README.md"
+    ok = "[gpu](gpu.md#your-own-gpus) and docs/gpu.md and [web](https://example.org/x)"
+    assert dangling(ok, page, tmp_path) == []
+    bad = dangling("[gone](gone.md) and docs/nothere.md", page, tmp_path)
+    assert len(bad) == 2 and "gone.md" in bad[0] and "docs/nothere.md" in bad[1], bad
