@@ -256,9 +256,22 @@ def _mentions(st: ast.stmt | None, *attrs: str) -> bool:
 
 
 def _is_kill(st: ast.stmt | None) -> bool:
+    """A statement that asks a process or thread to end: a kill, or a stop event set / a
+    timer cancelled (the join after it waits on an end just caused, in a clean-up)."""
     return st is not None and any(
         isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in
-        ("kill", "terminate", "killpg") for n in ast.walk(st))
+        ("kill", "terminate", "killpg", "set", "cancel", "stop") for n in ast.walk(st))
+
+
+def _asked_before(t: "_Tree", st: ast.stmt) -> bool:
+    while True:
+        prev = t.before(st)
+        if prev is not None:
+            return _is_kill(prev)
+        p = t.par.get(st)
+        if not isinstance(p, (ast.If, ast.With, ast.For)):
+            return False
+        st = p
 
 
 def _raises_only(body: list) -> bool:
@@ -309,7 +322,7 @@ def _findings(t: _Tree) -> list[tuple[int, str, str | None, ast.stmt]]:
                                                       and _timeoutish(n.args[0]))) and \
                 not isinstance(n.func.value, ast.Constant):
             st = t.stmt(n)
-            if not _mentions(t.after(st), "is_alive", "exitcode") and not _is_kill(t.before(st)):
+            if not _mentions(t.after(st), "is_alive", "exitcode") and not _asked_before(t, st):
                 add(n, "join")
         if (_has_timeout(n) or attr in ("wait", "join", "communicate", "wait_for") and n.args
                 or attr == "get" and len(n.args) >= 2 and isinstance(n.args[0], ast.Constant)
@@ -562,6 +575,8 @@ PASS = {
     "join loop checked": "def f(ts):\n    for t in ts:\n        t.join(10)\n"
                          "    if any(t.is_alive() for t in ts):\n        raise RuntimeError\n",
     "join after kill": "import os\ndef f(p):\n    os.kill(p.pid, 9)\n    p.join(5)\n",
+    "join after stop": "def f(stop, th):\n    stop.set()\n    if th is not None:\n"
+                       "        th.join(30)\n",
     "str join": "def f(parts):\n    return ', '.join(parts)\n",
     "select in loop": "import select\ndef f(fd, dl):\n    while True:\n"
                       "        r, _, _ = select.select([fd], [], [], dl.left())\n"
