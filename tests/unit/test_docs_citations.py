@@ -22,7 +22,7 @@ tables, inline code and fenced code blocks alike:
 Each hit is reported as ``file:line: the match`` so the fix is one look away. The index pages a
 new user starts from (README.md, docs/README.md, docs/getting_started.md) must also point only at
 what exists: every relative Markdown link ``[..](path#anchor)`` and every ``docs/*.md``,
-``launch/*``, ``examples/*``, ``conf/...``, ``tests/...`` path they name resolves to a file or folder of
+``launch/*``, ``examples/*``, ``conf/...``, ``tests/...``, ``recover_hsdp/...``, ``csrc/...`` path they name resolves to a file or folder of
 the checkout. No torch, no processes; a planted case for every rule shows the check can fail.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_placeholders_and_repository_paths_pass(text):
 #: the pages a new user starts from: every path they name must exist
 INDEX_PAGES = ["README.md", "docs/README.md", "docs/getting_started.md"]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
-_PATH = re.compile(r"(?<![\w./-])((?:docs|launch|examples|conf|tests|experiments)/[\w./-]*\w)")
+_PATH = re.compile(r"(?<![\w./-])((?:docs|launch|examples|conf|tests|experiments|recover_hsdp|csrc)/[\w./-]*\w)")
 
 
 def dangling(text: str, page: Path, root: Path = ROOT) -> list[str]:
