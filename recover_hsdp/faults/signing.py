@@ -74,10 +74,12 @@ def key_path(run_dir: os.PathLike | str) -> Path:
     return Path(run_dir) / "launcher" / KEY_FILE
 
 
-def write_key_file(run_dir: os.PathLike | str, key: bytes) -> Path:
-    """``<run dir>/launcher/job.key``: created with mode 0600 (never wider, not even for an
-    instant: a fresh temporary name opened O_EXCL with that mode, then renamed over)."""
-    p = key_path(run_dir)
+def write_key_file(run_dir: os.PathLike | str, key: bytes,
+                   path: os.PathLike | str | None = None) -> Path:
+    """``<run dir>/launcher/job.key`` (or ``path``): created with mode 0600 (never wider, not
+    even for an instant: a fresh temporary name opened O_EXCL with that mode, then renamed
+    over)."""
+    p = Path(path) if path is not None else key_path(run_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{KEY_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:

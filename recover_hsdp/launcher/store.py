@@ -5,7 +5,7 @@
 A leaf of the launcher that config/ validation uses (run.store_host): it imports no other launcher
 module (only hsdp.topology's serve_store, to serve); tests/unit/test_layering.py places it
 below config.
-``python -m recover_hsdp.launcher.store [HOST]`` serves one for shell scripts.
+``python -m recover_hsdp.launcher.store [HOST [KEY_FILE]]`` serves one for shell scripts.
 """
 from __future__ import annotations
 
@@ -48,9 +48,11 @@ def store_host_problem(host: str) -> str | None:
     return "is not an address of this machine (the launcher hosts the store here)"
 
 
-_USAGE = """usage: python -m recover_hsdp.launcher.store [HOST]
+_USAGE = """usage: python -m recover_hsdp.launcher.store [HOST [KEY_FILE]]
     serve a TCPStore for the ranks' rendezvous; prints "host:port" on the first line, then serves
-    until SIGTERM/SIGINT/SIGHUP or until its parent exits"""
+    until SIGTERM/SIGINT/SIGHUP or until its parent exits. KEY_FILE: where its job key goes
+    (hex, mode 0600; give it to the ranks as RECOVER_HSDP_JOB_KEY: docs/security.md); the key
+    is never printed"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,9 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(_USAGE)
         return 0
-    if len(argv) > 1:
+    if len(argv) > 2:
         print(_USAGE, file=sys.stderr)
         return 2
+    from recover_hsdp.faults.signing import served_keys, write_key_file
     from recover_hsdp.hsdp.topology import serve_store
 
     host = argv[0] if argv else default_store_host()
@@ -69,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: done.set())
     parent = os.getppid()
     with serve_store(host) as address:
+        if len(argv) == 2:          # the key file first: the address says the store is ready
+            write_key_file(argv[1], served_keys[address], path=argv[1])
         print(address, flush=True)
         # until signalled, or until the script that started us is gone (no orphan store)
         while not done.wait(1.0) and os.getppid() == parent:
