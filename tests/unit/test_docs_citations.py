@@ -21,9 +21,9 @@ tables, inline code and fenced code blocks alike:
 
 Each hit is reported as ``file:line: the match`` so the fix is one look away. The index pages a
 new user starts from (README.md, docs/README.md, docs/getting_started.md) must also point only at
-what exists: every relative Markdown link ``[..](path#anchor)`` and every ``docs/*.md``,
-``launch/*``, ``examples/*``, ``conf/...``, ``tests/...``, ``recover_hsdp/...``, ``csrc/...`` path they name resolves to a file or folder of
-the checkout. No torch, no processes; a planted case for every rule shows the check can fail.
+what exists: every relative Markdown link ``[..](path#anchor)`` and every path under ``docs/``,
+``launch/``, ``examples/``, ``conf/``, ``tests/``, ``experiments/``, ``recover_hsdp/`` or ``csrc/``
+they name resolves to a file or folder of the checkout. No torch, no processes; a planted case for every rule shows the check can fail.
 """
 from __future__ import annotations
 
