@@ -188,7 +188,8 @@ def one_run(i: int, args, out: Path, rng: random.Random, ns: netns.Nodes) -> dic
         killed = _lose_node(ns, lose)
         return {"node": lose, "host": ns.nodes[lose].name, "addr": ns.nodes[lose].addr,
                 "t": time.time(), "at_step": n, "checkpoint": ck, "killed": len(killed),
-                "steps_lost": max(0, n - (ck + 1)), **({"at": at} if at else {})}
+                # checkpoint step_c holds the state before step c: steps c..n-1 are redone
+                "steps_lost": max(0, n - ck) if ck >= 0 else n, **({"at": at} if at else {})}
 
     seg1 = run_dir / "launcher" / "hosts.seg1"
     while p.poll() is None:
@@ -232,6 +233,8 @@ def one_run(i: int, args, out: Path, rng: random.Random, ns: netns.Nodes) -> dic
         unfired.append({"kind": "node", "replica": -1, "at_step": last_n,
                         "reason": f"node {lose} was not lost before the run ended"})
     if loss is not None:
+        if seg1.exists():
+            loss["relaunch_planned_s"] = round(seg1.stat().st_mtime - loss["t"], 3)
         seen_lost |= {f["replica"] for f in faults}    # checked before the loss was fired
     res = {"run": i, "dir": str(run_dir), "rc": p.returncode, "hung": hung, "faults": faults,
            "planned": len(victims) + (lose is not None), "unfired": unfired, "node_loss": loss,
@@ -275,16 +278,16 @@ def report(results: list[dict]) -> str:
 
 def soak(args) -> int:
     """The soak's loop over one set of namespaced nodes (made once, torn down at the end)."""
-    if os.geteuid() != 0:
-        print("recover-hsdp chaos: --nodes > 1 makes network namespaces and needs root",
-              file=sys.stderr)
-        return 2
     if args.replicas % args.nodes:
         print(f"recover-hsdp chaos: --replicas ({args.replicas}) must be a multiple of --nodes "
               f"({args.nodes}): W / N replicas per node", file=sys.stderr)
         return 2
     if args.standby:
         print("recover-hsdp chaos: --standby is not supported with --nodes > 1", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0:
+        print("recover-hsdp chaos: --nodes > 1 makes network namespaces and needs root",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
