@@ -1,7 +1,9 @@
 """The gloo data plane: asynchronous bucket sums on ProcessGroupGloo under the ULFM control plane.
 
-One ProcessGroupGloo per (replicate group j, membership): built on a PrefixStore of the
-launcher-hosted store (``rh/dp/<plane>/j<j>/e<epoch>/<members>``), never with ``dist.new_group``
+One ProcessGroupGloo per (replicate group j, membership): built on a prefixed client of the
+launcher-hosted store (``rh/dp/<plane>/j<j>/e<epoch>/<members>``; topology.store_client: every
+rendezvous value HMAC'd with the job key, a forged one refused and the build failed, which is a
+suspected failure below: docs/security.md), never with ``dist.new_group``
 (a collective over a world that holds the dead). It is built in a thread as soon as the agreed
 membership is known (at start, after a repair, after a join), so it connects during the next
 microbatch loop.
