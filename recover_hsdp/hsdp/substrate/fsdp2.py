@@ -200,7 +200,7 @@ class BucketAccumulator:
         self.computed = self.contributed = 0
 
     def microbatch(self, loss_fn, *, contribute: bool = True, last: bool = False):
-        buckets = self.substrate.buckets(self.module)
+        buckets = None if contribute else self.substrate.buckets(self.module)
         saved = None if contribute else [t.detach().clone() for t in buckets]
         loss = loss_fn()
         loss.backward()
