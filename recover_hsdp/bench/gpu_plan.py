@@ -5,7 +5,7 @@ command), so the default command must fit ``DEFAULT_BUDGET_S`` (360 s) from the 
 ``launch/bench_gpu.sh``, venv included, and leave time for a rerun. Each section has an estimate:
 a fixed part (start-ups, verify) plus a per-step part, taken from the newest recorded run of the
 same device kind (``<runs>/bench_gpu/*/<n>_<name>.json``: its wall time, rescaled to the planned
-steps) or else from the figures measured on the lent H200 (``../shared/gpu/README.md``,
+steps) or else from the figures measured on the lent H200 (docs/gpu.md,
 2026-11-30) and, where that page has none, a stated assumption. The plan keeps the sections in
 order of value (1 the README kill schedule + verify, fp32 and bf16; 2 llama_1b failure-free,
 resilient vs plain; 3 llama_1b W=2 with a kill mid-reduction; 4 staging bandwidth) and, while the
@@ -38,7 +38,7 @@ ENV_ID = "RECOVER_HSDP_BENCH_ID"
 #: the sections the default command runs (section 6 is derived; 7 waits for a later window)
 DEFAULT_SECTIONS = "1,2,3,4,5"
 
-SHARED = "../shared/gpu/README.md (one H200, 2026-11-30)"
+SHARED = "docs/gpu.md (the first H200 run, one GPU, 2026-11-30)"
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ def test_default_gpu_plan_fits_360_s_with_every_section_under_its_cap():
     assert total <= 360.0, P.format_plan(plan, total, 360, P.SETUP_S, "gpu")
     assert [p.est.section for p in plan if p.included] == [1, 2, 3, 4, 5]
     assert all(p.seconds <= P.SECTION_CAP_S for p in plan)
-    # the shared page's figures are the source of the 1B sections
-    assert all("shared/gpu/README.md" in p.est.source for p in plan if p.est.section in (2, 3))
+    # the first H200 run's figures (docs/gpu.md) are the source of the 1B sections
+    assert all("docs/gpu.md" in p.est.source for p in plan if p.est.section in (2, 3))
 
 
 def test_plan_cuts_steps_before_it_defers_a_section_lowest_value_first():
