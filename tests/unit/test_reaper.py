@@ -58,6 +58,10 @@ def _progress(run_dir: Path, g: int) -> int | None:
         return None     # mid-rewrite: read again
 
 
+#: the hang timeout where a healthy child must not be judged (60 of its beats)
+HANG_S = 3.0
+
+
 def _bound(wd: HangWatchdog, grace_s: float) -> float:
     """One bound for a verdict: the grace, two heartbeat periods, two polls and the watchdog's
     stall grace (2 polls + 0.5 s), with 3x slack."""
@@ -129,12 +133,15 @@ def test_mate_of_a_rank_judged_hung_is_reaped_too(tmp_path):
     procs = {g: _spawn(tmp_path, g, "idle") for g in (0, 1)}
     try:
         _wait_beats(tmp_path, procs, dl.sub(60))
-        wd = HangWatchdog(tmp_path, timeout_s=0.5, period_s=0.05, shard_size=2, log=lambda s: None)
+        # 3 s (60 beats), not 0.5 s: a loaded box's late beat of the idle mate must be no
+        # verdict of its own (the order [0, 1] below: hung first, reaped after)
+        wd = HangWatchdog(tmp_path, timeout_s=HANG_S, period_s=0.05, shard_size=2,
+                          log=lambda s: None)
         assert wd.poll() == []
         procs[0].send_signal(signal.SIGSTOP)
         out: list[int] = []
         # the hung verdict, then the reap one grace later: two detector bounds
-        until(lambda: out.extend(wd.poll()) or len(out) >= 2, dl.sub(2 * _bound(wd, 0.5)),
+        until(lambda: out.extend(wd.poll()) or len(out) >= 2, dl.sub(2 * _bound(wd, HANG_S)),
               "rank 0 judged hung and rank 1 reaped")
         assert out == [0, 1], out
         assert (tmp_path / "faults" / "hung.rank0.json").exists()
