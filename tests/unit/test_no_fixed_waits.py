@@ -11,9 +11,11 @@ source text (a string that parses as Python and imports something):
   ``from time import sleep as nap``);
 * ``wait``: ``X.wait(t)`` / ``X.wait_for(..., t)`` whose result is dropped outside a ``while``
   loop, or whose result decides a branch (``if ev.wait(1):``, ``ok = ev.wait(1)``); allowed as
-  an ``assert``, a ``while`` test, or ``if not ev.wait(t): raise ...`` (a bound);
+  what an ``assert`` tests (through ``==``, ``and``, ``not``), a ``while`` test, or
+  ``if not ev.wait(t): raise ...`` (bounds);
 * ``join``: ``t.join(timeout)`` not followed by a look at ``is_alive()`` / ``exitcode`` (join
-  returns None either way) nor preceded by a kill (waiting on a death just caused);
+  returns None either way) nor preceded by a kill or a stop request (a clean-up waiting on an
+  end just caused); an override's ``super().join(timeout)`` is its caller's wait;
 * ``select``: ``select.select(..., timeout)`` outside a ``while`` loop, not followed by an
   ``assert``;
 * ``timer``: ``threading.Timer`` / ``signal.alarm`` / ``signal.setitimer``: an action after a
