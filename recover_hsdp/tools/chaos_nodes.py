@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def one_run(i: int, args, out: Path, rng: random.Random, ns: netns.Nodes) -> dic
         return {"node": lose, "host": ns.nodes[lose].name, "addr": ns.nodes[lose].addr,
                 "t": time.time(), "at_step": n, "checkpoint": ck, "killed": len(killed),
                 # checkpoint step_c holds the state before step c: steps c..n-1 are redone
+                # (an estimate at the kill, replaced by the launcher's own count: _after_loss)
                 "steps_lost": max(0, n - ck) if ck >= 0 else n, **({"at": at} if at else {})}
 
     seg1 = run_dir / "launcher" / "hosts.seg1"
@@ -245,8 +247,24 @@ def one_run(i: int, args, out: Path, rng: random.Random, ns: netns.Nodes) -> dic
     return res
 
 
+_SEG0 = re.compile(r"segment 0 ended with (\d+)/\d+ steps committed: relaunch 1 without the lost "
+                   r"node at W'=(\d+) from \S*step_(\d+)")
+
+
 def _after_loss(res: dict, run_dir: Path, ns: netns.Nodes, loss, seg1: Path) -> None:
-    """The node loss's own checks and counts; false detections net of the lost node's ranks."""
+    """The node loss's own checks and counts; false detections net of the lost node's ranks.
+    Steps redone = what the first job committed (the survivors go on until PRTE ends the job)
+    minus the step of the checkpoint the relaunch resumed from, as the launcher says."""
+    if loss is not None:
+        try:
+            m = _SEG0.search((run_dir.parent / (run_dir.name + ".log")).read_text(
+                errors="replace"))
+        except OSError:
+            m = None
+        if m:
+            loss.update(seg0_committed=int(m.group(1)), relaunch_w=int(m.group(2)),
+                        checkpoint=int(m.group(3)),
+                        steps_lost=max(0, int(m.group(1)) - int(m.group(3))))
     res["steps_lost"] = (loss or {}).get("steps_lost", 0) + max(0, res["steps"] -
                                                                 res.get("committed", 0))
     apart = []
@@ -258,7 +276,7 @@ def _after_loss(res: dict, run_dir: Path, ns: netns.Nodes, loss, seg1: Path) -> 
                 continue
             if v.get("host") == loss["host"]:
                 apart.append(g)
-        res["false_detections"] = [g for g in res["false_detections"] if g not in apart]
+        res["false_detections"] = [g for g in res.get("false_detections", []) if g not in apart]
         text = seg1.read_text() if seg1.exists() else ""
         if res.get("ok") and (not text or loss["addr"] in text.split()):
             res.update(ok=False, reason=f"no relaunch without node {loss['node']} "

@@ -91,3 +91,20 @@ def test_nodes_env_and_mpirun_args_name_every_node(tmp_path):
     assert ns.on(2, ["echo", "a b"])[1:] == ["10.77.0.3", "echo 'a b'"]
     names, devs, hub = netns.names_for("123456", 3)
     assert all(len(d) <= 15 for d in devs) and len(set(devs)) == 6 and hub not in names
+
+
+def test_steps_redone_are_the_launchers_count_not_the_kill_moments(tmp_path):
+    """The survivors go on committing until PRTE ends the job: the steps redone are the first
+    job's commits minus the resumed checkpoint's step, as the launcher's line says."""
+    run = tmp_path / "run0002"
+    run.mkdir()
+    (tmp_path / "run0002.log").write_text(
+        "[recover-hsdp train] segment 0 ended with 9/12 steps committed: relaunch 1 without the "
+        f"lost node at W'=2 from {run}/checkpoints/step_000006\n")
+    loss = {"steps_lost": 0, "checkpoint": 3, "host": "n2", "addr": "10.77.0.3", "node": 2}
+    res = {"steps": 12, "committed": 12, "ok": True, "false_detections": []}
+    chaos_nodes._after_loss(res, run, None, loss, run / "launcher" / "hosts.seg1")
+    assert (loss["steps_lost"], loss["checkpoint"], loss["relaunch_w"]) == (3, 6, 2)
+    assert res["steps_lost"] == 3
+    # no hosts.seg1: the relaunch without the node did not happen -> the run fails
+    assert not res["ok"] and "no relaunch without node 2" in res["reason"]
