@@ -336,6 +336,16 @@ def run_resilient(job) -> JobResult:
                                                        f"segment {k}"),
                                  in_thread=True)   # this thread's signals: a stop request
             outcome = launched.outcome
+            # ranks of this host that outlived mpirun (a node loss): gone before the record is
+            # read and the checkpoint picked (a survivor trained on, saved and pruned: reap.py)
+            from recover_hsdp.launcher.reap import outliving, reap
+            elsewhere = outliving(run_dir)[1]
+            reaped = reap(run_dir)
+            if reaped:
+                print(f"[{PROG}] segment {k}: {len(reaped)} rank(s) outlived mpirun on this host "
+                      f"(ranks {[g for g, _ in reaped]}): SIGKILLed"
+                      + (f"; heartbeats of ranks {elsewhere} on other hosts still say running"
+                         if elsewhere else ""), flush=True)
             first = _first_commit_time(run_dir, k)
             try:
                 committed = set(read_run(run_dir).steps)
