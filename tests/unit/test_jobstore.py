@@ -142,7 +142,9 @@ def test_an_altered_rendezvous_value_fails_the_build_never_connects(served, capf
     assert all(isinstance(e, jobstore.StoreForgery) and "g2//0/1" in str(e)
                for e in errs.values()), errs
     refused = [ln for ln in capfd.readouterr().err.splitlines() if "was refused" in ln]
-    assert len(refused) == 2 and all("'g2//0/1'" in ln for ln in refused), refused
+    # one line per key per PROCESS, and both ranks are threads of this one: the second line is
+    # deduplicated or not, by which thread refuses first (seen: 1 line in 2 of 6 runs)
+    assert 1 <= len(refused) <= 2 and all("'g2//0/1'" in ln for ln in refused), refused
 
 
 def _listening(port: int) -> list[str]:
