@@ -323,6 +323,7 @@ def _stats(xs: Sequence[float]) -> str:
 
 def report(results: list[dict]) -> str:
     faults = [f for r in results for f in r["faults"]]
+    losses = sum(bool(r.get("node_loss")) for r in results)   # --nodes: planned and fired too
     lines = [f"runs: {len(results)}, ok: {sum(r['ok'] for r in results)}, "
              f"hangs: {sum(r['hung'] for r in results)}",
              f"steps committed: {sum(r.get('committed', 0) for r in results)}/"
@@ -330,9 +331,10 @@ def report(results: list[dict]) -> str:
              f"false hang detections: {sum(len(r.get('false_detections', [])) for r in results)}",
              "faults: " + ", ".join(f"{k} {sum(f['kind'] == k for f in faults)}" for k in KINDS),
              f"planned faults: {sum(r.get('planned', len(r['faults'])) for r in results)}, "
-             f"fired {len(faults)} ({sum(f.get('at') == 'hold' for f in faults)} at the hold "
-             f"before the last step), not fired "
-             f"{sum(len(r.get('unfired') or []) for r in results)}"]
+             f"fired {len(faults) + losses} ({sum(f.get('at') == 'hold' for f in faults)} at "
+             f"the hold before the last step"
+             + (f"; {losses} of them node losses" if losses else "")
+             + f"), not fired {sum(len(r.get('unfired') or []) for r in results)}"]
     with_k = [r for r in results if r.get("standby")]
     if with_k:   # --standby: where the faults landed, what the joins did
         on_k = sum(f["replica"] >= r["replicas"] for r in with_k for f in r["faults"])

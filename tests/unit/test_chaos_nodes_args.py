@@ -108,3 +108,21 @@ def test_steps_redone_are_the_launchers_count_not_the_kill_moments(tmp_path):
     assert res["steps_lost"] == 3
     # no hosts.seg1: the relaunch without the node did not happen -> the run fails
     assert not res["ok"] and "no relaunch without node 2" in res["reason"]
+
+
+def test_report_counts_a_node_loss_as_planned_and_fired():
+    """A run's node loss is in its `planned` count: the report counts it fired too (the
+    100-run soak once printed "planned 145, fired 91" with every fault and loss fired)."""
+    kill = {"kind": "kill", "rank": 0, "replica": 0, "t": 0.0}
+    runs = [{"ok": True, "hung": False, "steps": 4, "committed": 4, "faults": [kill],
+             "planned": 2, "unfired": [], "nodes": 3, "steps_lost": 1,
+             "node_loss": {"node": 2, "steps_lost": 1}},
+            {"ok": True, "hung": False, "steps": 4, "committed": 4, "faults": [kill],
+             "planned": 1, "unfired": [], "nodes": 3, "node_loss": None}]
+    text = chaos_nodes.report(runs)
+    assert "planned faults: 3, fired 3 (0 at the hold before the last step; 1 of them node " \
+           "losses), not fired 0" in text, text
+    runs[0]["node_loss"] = None
+    runs[0]["unfired"] = [{"kind": "node"}]
+    assert "planned faults: 3, fired 2 (0 at the hold before the last step), not fired 1" \
+        in chaos_nodes.report(runs)
