@@ -13,7 +13,9 @@ moved for ``grace_s`` since, and which is not inside an announced long phase, is
 ``faults/reaped.rank{g}.json`` says why. ``grace_s`` is ``run.hang_timeout_s``: a mate that has not
 moved for that long after its replica lost a member is as good as hung. A mate that notices on its
 own (gloo, or the ULFM consensus naming its replica) has left long before. Only processes this
-watchdog saw alive count: a heartbeat file left by an earlier run or segment is never a death.
+watchdog saw alive, or whose heartbeat names this launch (``launch_id``: a rank that died between
+two polls of its first beats), count: a heartbeat file left by an earlier run or segment is never
+a death.
 On another node the watchdog reports the death (its kill order for the stale heartbeat answered
 "gone") and the mate is reaped by a kill order too (faults/orders.py).
 """
@@ -50,8 +52,10 @@ class MateReaper:
 
     def __init__(self, run_dir: os.PathLike | str, shard_size: int, grace_s: float,
                  log: Callable[[str], None], host: Optional[str] = None,
-                 order: Optional[Callable[[int, int, str, float, dict], None]] = None):
+                 order: Optional[Callable[[int, int, str, float, dict], None]] = None,
+                 launch_id: Optional[str] = None):
         self.run_dir = Path(run_dir)
+        self.launch_id = launch_id
         self.S = int(shard_size)
         self.grace_s = float(grace_s)
         self.log = log
@@ -67,6 +71,11 @@ class MateReaper:
         if g not in self.dead:
             self.dead[g] = (int(pid), now)
 
+    def _this_launch(self, hb: dict) -> bool:
+        """The heartbeat was written by a rank of this launch (a death, even if no poll saw the
+        process alive: the watchdog polls every half second, a rank can die sooner)."""
+        return bool(self.launch_id) and hb.get("launch") == self.launch_id
+
     def _local(self, hb: dict) -> bool:
         return hb.get("host") in (None, self.host)
 
@@ -81,7 +90,8 @@ class MateReaper:
                 self.seen[g] = pid
                 if self.dead.get(g, (pid,))[0] != pid:      # a new process holds the rank
                     self.dead.pop(g, None)
-            elif self.seen.get(g) == pid and not hb.get("done") and g not in self.dead:
+            elif (self.seen.get(g) == pid or self._this_launch(hb)) and not hb.get("done") \
+                    and g not in self.dead:
                 self.dead[g] = (pid, now)
         out = []
         for d, (_, t_dead) in sorted(self.dead.items()):

@@ -132,7 +132,8 @@ def supervise(prepare: Prepare, *, run_dir: Path, np: int, watch: Optional[Watch
             if watching:
                 wd = HangWatchdog(run_dir, watch.hang_timeout_s, watch.heartbeat_s,
                                   watch.progress_timeout_s, floor_s=watch.floor_s,
-                                  shard_size=watch.shard_size or 1, key=key).start()
+                                  shard_size=watch.shard_size or 1, key=key,
+                                  launch_id=env.get(ENV_LAUNCH_ID)).start()
                 start = StartupWatch(run_dir, np, watch.startup_timeout_s)
                 end = EndWatch(run_dir, np, stale_s=3 * watch.hang_timeout_s,
                                launch_id=env.get(ENV_LAUNCH_ID), deliver_s=watch.deliver_s)

@@ -80,7 +80,7 @@ class HangWatchdog:
         a mate on another node is reaped through a kill order."""
         return MateReaper(self.run_dir, shard_size, self.timeout_s, self.log, host=self._host,
                           order=lambda g, pid, why, now, hb: self._order(
-                              g, pid, why, now, hb, "reaped"))
+                              g, pid, why, now, hb, "reaped"), launch_id=self.launch_id)
 
     def start(self) -> "HangWatchdog":
         self._thread.start()

@@ -156,3 +156,33 @@ def test_mate_of_a_rank_judged_hung_is_reaped_too(tmp_path):
 def test_reaper_is_off_at_shard_size_one(tmp_path):
     assert HangWatchdog(tmp_path, 1.0, 0.1).reaper is None
     assert HangWatchdog(tmp_path, 1.0, 0.1, shard_size=2).reaper.grace_s == 1.0
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(30)
+    return p.pid
+
+
+@pytest.mark.parametrize("launch", ["L1", "L0"])
+def test_a_rank_dead_before_any_poll_saw_it_counts_when_its_beat_names_this_launch(
+        tmp_path, monkeypatch, launch):
+    """A rank can die within the watchdog's first half-second poll of its beats (seen in CI: the
+    SIGKILL at step 2 of a 0.1 s-step job came 0.25 s after its first beat): its heartbeat names
+    this launch, so it is a death and its still mate is reaped after grace_s. A beat of an earlier
+    launch (another segment's file) stays no death."""
+    from recover_hsdp.launcher import reaper as R
+    mate = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    killed = []
+    monkeypatch.setattr(R, "kill_recorded", lambda d, name, pid, rec: killed.append(name) or True)
+    r = R.MateReaper(tmp_path, 2, grace_s=1.0, log=lambda s: None, launch_id="L1")
+    try:
+        hb0 = {"rank": 0, "pid": _dead_pid(), "progress": 5, "done": False, "launch": launch}
+        hb1 = {"rank": 1, "pid": mate.pid, "progress": 7, "done": False, "launch": "L1"}
+        for now in (100.0, 100.5, 102.0):
+            r.poll({0: hb0, 1: hb1}, now=now)
+        assert killed == (["reaped.rank1"] if launch == "L1" else []), (launch, killed, r.dead)
+    finally:
+        mate.kill()
+        mate.wait(30)
