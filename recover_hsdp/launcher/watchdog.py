@@ -87,8 +87,17 @@ class HangWatchdog:
         return self
 
     def stop(self) -> None:
+        """Stop watching; then read the kill orders answered since the last poll once more, so
+        a verdict whose answer came in the job's last half second is still written (seen: a
+        wedged rank on another node served its own order 0.2 s before the job ended, and its
+        faults/hung file was never written)."""
         self._stop.set()
         self._thread.join(5)
+        if self._orders and not self._thread.is_alive():
+            try:
+                self._answers(time.time())
+            except Exception as e:  # noqa: BLE001 - the end of a job must not raise here
+                self.log(f"[recover-hsdp] hang watchdog: {e!r}")
 
     def _run(self) -> None:
         last = time.monotonic()

@@ -204,6 +204,30 @@ def test_order_for_the_process_judged_kills_it(tmp_path):
             p.wait()
 
 
+def test_an_order_answered_after_the_last_poll_is_a_verdict_when_the_watchdog_stops(tmp_path):
+    """The job can end between a kill order's answer and the watchdog's next poll (seen in the
+    three-node chaos: a wedged rank served its own order 0.2 s before the end): stop() reads
+    the answers once more, so the verdict (faults/hung.rank{g}.json) is still written."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        wd = HangWatchdog(tmp_path, timeout_s=100, period_s=0.05, log=lambda s: None)
+        hb = {"rank": 3, "pid": p.pid, "host": "nodeb", "start": orders.proc_start(p.pid),
+              "time": time.time()}
+        wd._order(3, p.pid, "no progress (test)", time.time(), hb, "hung")
+        assert [a["result"] for a in orders.serve_orders(tmp_path / "ranks", "nodeb", 3)] \
+            == ["killed"]
+        wd._stop.set()          # its thread ends before any poll: only stop() can read it
+        wd.start()
+        wd.stop()
+        rec = json.loads((tmp_path / "faults" / "hung.rank3.json").read_text())
+        assert rec["killed_by"] == 3 and rec["rank"] == 3, rec
+        assert p.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_a_stale_heartbeat_of_another_host_is_never_judged(tmp_path):
     d = tmp_path / "ranks"
     d.mkdir()
