@@ -115,6 +115,24 @@ class MateReaper:
                         out.append(m)
         return out
 
+    def pending(self, hbs: dict[int, dict], now: float) -> bool:
+        """True while a death seen less than ``grace_s`` ago has a mate not reaped, not done
+        and not known gone: its mates' stall has a cause the reaper ends within ``grace_s`` of
+        the death (the progress judge waits for it rather than judge the survivors that wait on
+        that mate). At most ``grace_s`` after each death."""
+        for d, (_, t_dead) in self.dead.items():
+            if now - t_dead >= self.grace_s:
+                continue
+            b = d // self.S
+            for m in range(b * self.S, (b + 1) * self.S):
+                hb = hbs.get(m)
+                if m == d or m in self.reaped or hb is None or hb.get("done"):
+                    continue
+                if self._local(hb) and not alive(int(hb["pid"])):
+                    continue
+                return True
+        return False
+
     def _reap(self, g: int, pid: int, mate: int, now: float, after_s: float,
               hb: dict) -> bool:
         why = (f"its replica lost rank {mate} {after_s:.1f} s ago and it has not moved since "

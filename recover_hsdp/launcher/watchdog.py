@@ -164,6 +164,10 @@ class HangWatchdog:
         # a kill order out for another node (its mates stall with it, and are the reaper's
         # once it is answered) holds the progress judge, for at most the hang timeout
         ordered = any(now - rec["time"] < self.timeout_s for _, rec, _ in self._orders.values())
+        # so does a death whose still mates the reaper takes within its grace (the survivors
+        # wait on such a mate: seen on two nodes with run.hang_timeout_s=20, where a remote
+        # death is known ~20 s after it and its mate reaped 20 s later, past the 30 s floor)
+        ordered = ordered or (self.reaper is not None and self.reaper.pending(hbs, now))
         if stalls and now >= self._progress_grace_until and not ordered:
             # one verdict a round: the oldest stall of a rank not blocked on its peers (in a
             # collective: faults/failstop.main_waits_on_peers), else the oldest stall

@@ -186,3 +186,30 @@ def test_a_rank_dead_before_any_poll_saw_it_counts_when_its_beat_names_this_laun
     finally:
         mate.kill()
         mate.wait(30)
+
+
+@pytest.mark.parametrize("death", [True, False])
+def test_progress_judge_waits_while_the_reaper_has_a_still_mate_to_take(tmp_path, death):
+    """Ranks 0-3 on another node, S=2, progress stalled past the bound: with rank 3 known dead
+    (its mate, rank 2, still and not yet reaped: within grace_s) the progress judge orders no
+    kill (the survivors wait on that mate; the reaper ends it within grace_s of the death).
+    Without the death the same stall is judged (one order)."""
+    wd = HangWatchdog(tmp_path, timeout_s=100, period_s=0.05, progress_timeout_s=1.0,
+                      shard_size=2, launch_id="L", log=lambda s: None)
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+
+    def beat(t):
+        for g in range(4):
+            (ranks / f"rank{g}.json").write_text(json.dumps(
+                {"rank": g, "pid": 1000 + g, "host": "nodeb", "start": 1, "time": t,
+                 "progress": 5, "phase": None, "done": False, "launch": "L",
+                 "waiting": g != 2}))
+
+    if death:
+        wd.reaper.note_dead(3, 1003, 100.0)
+    for t in (100.0, 100.5, 101.0, 102.0, 103.0, 104.0):
+        beat(t)
+        wd.poll(now=t)
+    judged = sorted(wd._orders)
+    assert judged == ([] if death else [2]), (death, judged)
