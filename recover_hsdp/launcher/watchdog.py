@@ -63,6 +63,7 @@ class HangWatchdog:
         self.log = log
         self.killed: dict[int, dict] = {}
         self._progress: dict[int, tuple[int, float]] = {}
+        self._hbs: dict[int, dict] = {}      # the last poll's heartbeats (_after_death)
         #: how far ahead of its bound a stalled rank not waiting on peers holds the verdict of
         #: one that is (the same stall, seen a heartbeat or two later)
         self.lead_s = 2 * self.period_s + 1.0
@@ -178,7 +179,20 @@ class HangWatchdog:
                 if self._judge(g, pid, why, now, hb):
                     out.append(g)
                 self._progress_grace_until = now + 2 * self.period_s + 3.0
+        self._hbs = hbs
         return out + (self.reaper.poll(hbs, now) if self.reaper else [])
+
+    def _after_death(self, now: float) -> None:
+        """A verdict killed a rank: the ranks blocked on peers (heartbeat ``waiting``) get a full
+        progress bound from now to react to the death. Seen in the gloo-plane soak: a rank
+        SIGSTOPped inside the end-of-step ULFM agreement, judged by its heartbeat; its subtree
+        of the agreement, stalled since before the stop, was judged "no progress" 5 s after the
+        death (false verdicts, the run lost). A rank not waiting on peers (wedged) keeps its
+        clock, so a second wedge is judged on time; each death defers a waiting rank by at most
+        one bound."""
+        for g, (p, t) in list(self._progress.items()):
+            if (self._hbs.get(g) or {}).get("waiting"):
+                self._progress[g] = (p, max(t, now))
 
     def _remote_age(self, g: int, hb: dict, now: float) -> Optional[float]:
         """The age of a heartbeat written on another host, on THIS clock: since this watchdog
@@ -235,6 +249,7 @@ class HangWatchdog:
                        answered_after_s=round(now - rec["time"], 3))
             write_verdict(self.run_dir, f"{verdict}.rank{g}", rec)
             self.killed[g] = rec
+            self._after_death(now)
             if self.reaper is not None:     # its still mates are the reaper's, as here
                 self.reaper.note_dead(g, rec["pid"], now)
             what = "judged hung" if verdict == "hung" else "reaped"
@@ -281,4 +296,5 @@ class HangWatchdog:
                "last_heartbeat": hb.get("time")}
         if kill_recorded(self.run_dir, f"hung.rank{g}", pid, rec):
             self.killed[g] = rec
+            self._after_death(now)
             self.log(f"[recover-hsdp] rank {g} (pid {pid}) judged hung: {why}; SIGKILLed")

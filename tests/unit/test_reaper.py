@@ -213,3 +213,39 @@ def test_progress_judge_waits_while_the_reaper_has_a_still_mate_to_take(tmp_path
         wd.poll(now=t)
     judged = sorted(wd._orders)
     assert judged == ([] if death else [2]), (death, judged)
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_a_rank_waiting_on_peers_gets_a_full_progress_bound_after_a_death(tmp_path, waiting):
+    """Rank 1's heartbeat goes stale (a SIGSTOP): judged and killed at +2.5 s. Rank 2, with no
+    progress since +0 s: blocked on peers (``waiting``), it is judged a full progress bound
+    (3 s) after rank 1's death, not at +3.5 s; NOT waiting (wedged), it keeps its clock and is
+    judged on time (+3.5 s)."""
+    import socket
+    procs = {g: subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE) for g in (1, 2)}
+    try:
+        wd = HangWatchdog(tmp_path, timeout_s=2.0, period_s=0.05, progress_timeout_s=3.0,
+                          log=lambda s: None)
+        ranks = tmp_path / "ranks"
+        ranks.mkdir()
+        host = socket.gethostname()
+
+        def beat(g, t):
+            (ranks / f"rank{g}.json").write_text(json.dumps(
+                {"rank": g, "pid": procs[g].pid, "host": host, "time": t, "progress": 5,
+                 "phase": None, "done": False, "waiting": g == 2 and waiting}))
+
+        t0 = 1000.0
+        beat(1, t0)                         # rank 1 never beats again: stale after t0 + 2
+        judged = {}
+        for dt in (0.0, 0.5, 1.0, 2.5, 3.5, 4.5, 5.0, 6.0):
+            if 2 not in judged:
+                beat(2, t0 + dt)
+            for g in wd.poll(now=t0 + dt):
+                judged.setdefault(g, dt)
+        assert judged == {1: 2.5, 2: 6.0 if waiting else 3.5}, judged
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
