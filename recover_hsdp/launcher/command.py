@@ -64,6 +64,17 @@ FT_COLL = "self,basic,tuned,libnbc,ftagree"
 FT_PML = "ob1"
 
 
+#: ``--prtemca pmix_tool_support 0``: mpirun's PMIx server drops no tool rendezvous files. With
+#: tool support on (PRRTE's default) it creates ``pmix.<host>.tool`` (and ``.tool.<pid>``,
+#: ``.tool.<nspace>``) with O_EXCL in its session directory ``<TMPDIR>/ompi.<pid>`` (openpmix 5.0
+#: src/mca/ptl/base/ptl_base_listener.c, write_rndz_file), which only a clean exit removes. An
+#: mpirun that was SIGKILLed leaves them behind, and a later mpirun that gets the same recycled
+#: pid cannot start: "The PMIx server's listener thread failed to start", exit 213, no rank
+#: started (planted leftover: 200/200 starts failed without this, 0/200 with it). No tool
+#: (prun, pterm, a debugger) attaches to our jobs. docs/faults.md, "PMIx start failures".
+NO_TOOL_ARGS = ("--prtemca", "pmix_tool_support", "0")
+
+
 def ft_coll_args() -> list[str]:
     """``--mca coll <FT_COLL>``."""
     return ["--mca", "coll", FT_COLL]
@@ -75,9 +86,9 @@ def ft_pml_args() -> list[str]:
 
 
 def mpirun_prefix(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = ()) -> list[str]:
-    """`mpirun [--with-ft ulfm --mca coll FT_COLL --mca pml ob1] --oversubscribe --bind-to none
-    [--allow-run-as-root] -n N ...`: the line of the collectives benchmark and the MPI tests
-    (moved from collectives/launch.py's mpirun_command).
+    """`mpirun [--with-ft ulfm --mca coll FT_COLL --mca pml ob1] --oversubscribe --prtemca
+    pmix_tool_support 0 --bind-to none [--allow-run-as-root] -n N ...`: the line of the
+    collectives benchmark and the MPI tests (moved from collectives/launch.py's mpirun_command).
 
     --oversubscribe and --bind-to none: more ranks than cores is the normal case here, and
     binding every rank to one core would serialise them. mpi_yield_when_idle: Open MPI 5 does
@@ -88,7 +99,8 @@ def mpirun_prefix(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = (
     cmd = [find_mpirun()]
     if ft:
         cmd += ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args()]
-    cmd += ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
+    cmd += ["--oversubscribe", *NO_TOOL_ARGS, "--bind-to", "none",
+            "--mca", "mpi_yield_when_idle", "1"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += ["-n", str(int(nprocs)), *extra_args]
@@ -124,11 +136,13 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
-    """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe [--allow-run-as-root]
-    -n NP [-x VAR ...]`` (FT_COLL: the failure-tested collective components, no ``han``; ob1:
-    the only PML ULFM supports, never UCX)."""
+    """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe --prtemca
+    pmix_tool_support 0 [--allow-run-as-root] -n NP [-x VAR ...]`` (FT_COLL: the failure-tested
+    collective components, no ``han``; ob1: the only PML ULFM supports, never UCX; no tool
+    rendezvous files: NO_TOOL_ARGS)."""
     euid = os.geteuid() if euid is None else euid
-    args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe"]
+    args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe",
+            *NO_TOOL_ARGS]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]
