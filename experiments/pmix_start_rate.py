@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from recover_hsdp.launcher import command  # noqa: E402
+from recover_hsdp.launcher.reaper import alive  # noqa: E402
 
 LISTENER_FAILURE = "The PMIx server's listener thread failed to start"
 PROGRAM = "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
@@ -91,16 +92,6 @@ def session_dirs(tmpdir: str) -> set[str]:
     except OSError:
         return set()
     return {n for n in names if n.startswith("ompi.") and n[5:].isdigit()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start_busy(k: int) -> list[subprocess.Popen]:
