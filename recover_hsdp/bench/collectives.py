@@ -18,7 +18,8 @@ Launches `mpirun --with-ft ulfm` itself (so run it from a plain shell, not under
    have a 1 MB all-reduce in flight on the plane (hsdp/dataplane/gloo.py, a store served here)
    when the victim dies; per kill (slowest survivor): kill -> the op given up (abandoned or
    suspected), the ULFM repair (one consensus), the new generation's group built over the
-   survivors, kill -> the next successful all-reduce on it.
+   survivors, kill -> the next successful all-reduce on it. (`bench gpu` section 8 runs the same
+   worker on the nccl plane with CUDA tensors when it has >= 2 GPUs: ``--plane nccl``.)
 
 Prints a table and writes JSON (--out, default bench/results/collectives.json), machine load
 included: on a shared machine, compare ratios measured in the same run, not absolute times.
@@ -36,8 +37,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
 
 from recover_hsdp.bench import harness as H
+from recover_hsdp.bench.plane_rig import PlaneCross, export_args, plane_store, rank_device
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 BACKENDS = ("mpi", "gloo", "ulfm")
@@ -169,37 +172,11 @@ def _worker_kill(args) -> None:
         kills.append({"size_before": size_before, "victim": victim, "calls": calls,
                       "detect_repair_ms": (t_fail - t_kill) / 1e6,
                       "to_next_ok_ms": (t_ok - t_kill) / 1e6})
-    _write({"kills": kills})
-
-
-class _PlaneCross:
-    """What GlooPlane needs of the cross-replica group, over the world group (one replica per
-    rank, one replicate group: the bench's shape)."""
-
-    def __init__(self, world):
-        self.world, self.shard_index, self.is_standby = world, 0, False
-        self.global_rank = world.global_ranks[world.rank]
-
-    @property
-    def global_ranks(self):
-        return list(self.world.global_ranks)
-
-    @property
-    def epoch(self):
-        return self.world.epoch
-
-    def my_role(self):
-        from recover_hsdp.types import Role
-
-        return Role.MAJOR
-
-    def result(self, *, ok, quiesced=False, reduce_failed=False):
-        from recover_hsdp.types import FailureRecord
-
-        return FailureRecord(ok=ok, epoch=self.epoch)
-
-    def note_unclean(self, quiesce_group=False):
-        pass
+    _write({"kills": kills, "plane": plane_name, "device": str(dev)})
+    if plane_name == "nccl":    # no teardown of aborted communicators at exit: done is done
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _worker_plane_kill(args) -> None:
@@ -212,10 +189,13 @@ def _worker_plane_kill(args) -> None:
     out = Path(os.environ[OUT_ENV])
     g = UlfmGroup.world()
     me = _rank()
-    cross = _PlaneCross(g)
-    plane = make_data_plane("gloo", cross, timeout_s=30.0, log=lambda s: print(s, file=sys.stderr))
+    cross = PlaneCross(g)
+    plane_name = getattr(args, "plane", None) or "gloo"
+    dev = rank_device(plane_name)
+    plane = make_data_plane(plane_name, cross, timeout_s=30.0,
+                            log=lambda s: print(s, file=sys.stderr))
     plane.membership_changed()
-    t = torch.ones((1 << 20) // 4)
+    t = torch.ones((1 << 20) // 4, device=dev)
     for _ in range(3):
         assert plane.allreduce(t).wait().ok
     kills = []
@@ -240,7 +220,11 @@ def _worker_plane_kill(args) -> None:
                       "repair_ms": (t_repaired - t_given_up) / 1e6,
                       "rebuild_ms": (t_built - t_repaired) / 1e6,
                       "to_next_ok_ms": (t_ok - t_kill) / 1e6})
-    _write({"kills": kills})
+    _write({"kills": kills, "plane": plane_name, "device": str(dev)})
+    if plane_name == "nccl":    # no teardown of aborted communicators at exit: done is done
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------------- parent ---
@@ -250,7 +234,7 @@ def _launch(nprocs: int, worker_args: list[str], timeout: float, mca=(),
 
     out = Path(tempfile.mkdtemp(prefix="bench_collectives_"))
     extra = [a for kv in mca for a in ("--mca", *kv.split("=", 1))]
-    extra += [a for name in export for a in ("-x", name)]
+    extra += export_args(export)
     cmd = mpirun_command(nprocs, extra_args=extra) + [
         sys.executable, "-m", "recover_hsdp.bench.collectives", *worker_args]
     rc, _ = H.run_logged(cmd, out / "job.log", timeout,
@@ -318,32 +302,36 @@ def _bench_kills(args) -> dict:
             "median_detect_repair_ms": statistics.median(k["detect_repair_ms"] for k in kills)}
 
 
-def _bench_plane_kills(args) -> dict:
-    from recover_hsdp.faults.signing import ENV_KEY, served_keys
-    from recover_hsdp.hsdp.topology import ENV_STORE, serve_store
+PLANE_KILL_KEYS = ("given_up_ms", "repair_ms", "rebuild_ms", "to_next_ok_ms")
 
+
+def plane_kill_args(kills_per_job: int, plane: str = "gloo") -> list[str]:
+    """The worker arguments of one abort + rebuild job on ``plane``."""
+    return ["--worker", "plane_kill", "--kills-per-job", str(kills_per_job), "--plane", plane]
+
+
+def plane_kills_of(per_rank: Iterable[dict]) -> list[dict]:
+    """One job's kills from its ranks' results (the survivors'): per kill, the slowest
+    survivor's time of each phase."""
+    return [{"size_before": survivors[0]["size_before"],
+             **{key: max(s[key] for s in survivors) for key in PLANE_KILL_KEYS}}
+            for survivors in zip(*[r["kills"] for r in per_rank])]
+
+
+def plane_kill_summary(kills: list[dict]) -> dict:
+    return {"kills": kills, **{f"median_{key}": statistics.median(k[key] for k in kills)
+                               for key in PLANE_KILL_KEYS}}
+
+
+def _bench_plane_kills(args) -> dict:
     kills = []
     jobs = (args.kills + args.kills_per_job - 1) // args.kills_per_job
     for _ in range(jobs):
-        with serve_store("127.0.0.1") as addr:   # one store per job, as a launch has
-            os.environ[ENV_STORE] = addr
-            os.environ[ENV_KEY] = served_keys[addr].hex()   # its job key (docs/security.md)
-            try:
-                res = _launch(args.ranks, ["--worker", "plane_kill", "--kills-per-job",
-                                           str(args.kills_per_job)], args.timeout, args.mca,
-                              export=[ENV_STORE, ENV_KEY])
-            finally:
-                os.environ.pop(ENV_STORE, None)
-                os.environ.pop(ENV_KEY, None)
-        for survivors in zip(*[r["kills"] for r in res.values()]):
-            kills.append({"size_before": survivors[0]["size_before"],
-                          **{key: max(s[key] for s in survivors)
-                             for key in ("given_up_ms", "repair_ms", "rebuild_ms",
-                                         "to_next_ok_ms")}})
-    kills = kills[: args.kills]
-    return {"kills": kills, **{f"median_{key}": statistics.median(k[key] for k in kills)
-                               for key in ("given_up_ms", "repair_ms", "rebuild_ms",
-                                           "to_next_ok_ms")}}
+        with plane_store() as export:   # one store per job, as a launch has
+            res = _launch(args.ranks, plane_kill_args(args.kills_per_job), args.timeout,
+                          args.mca, export=export)
+        kills += plane_kills_of(res.values())
+    return plane_kill_summary(kills[: args.kills])
 
 
 def _print_report(report: dict) -> None:
@@ -411,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=["allreduce", "kill", "plane_kill"],
                    help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--plane", choices=["gloo", "nccl"], default="gloo", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:

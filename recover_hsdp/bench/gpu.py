@@ -11,10 +11,16 @@ returns what finished), then one table:
    GPU and host memory, and the ratio resilient / plain.
 3. ``1b_kill``: llama_1b, 2 replicas (sharing the GPU when there is one), replica 1 SIGKILLed in
    the cross-replica reduction of step 3: kill -> commit of that step, and the next step's time,
-   against the normal step.
-4. ``staging``: the cross-replica all-reduce of one fp32 bucket through the ulfm backend on 2
-   ranks (pinned, chunked, pipelined staging when MPI is not CUDA-aware) vs a plain pinned
-   device->host->device copy of the same bytes.
+   against the normal step; and the reduction's share of the steps before the kill (W = 2,
+   failure-free: the ranks' ``reduce_exposed_s`` and ``consensus_s`` over the commit-to-commit
+   time, gpu_report.reduction_share).
+4. ``staging``: the cross-replica all-reduce of fp32 buckets of the sizes the model's FSDP units
+   have (S = 1, as sections 2-3 run; computed from conf/model/<model>.yaml:
+   gpu_report.fsdp_unit_buckets, checked against section 3's meta.json when it ran) on 2 ranks:
+   through the ulfm backend (pinned, chunked, pipelined staging when MPI is not CUDA-aware), a
+   plain pinned device->host->device copy of the same bytes, and through the nccl data plane
+   with >= 2 GPUs (one GPU cannot host two ranks of one NCCL communicator: recorded as skipped;
+   on CPU the gloo plane stands in, labelled); per bucket and for the whole step's gradient.
 5. ``s2``: with >= 2 GPUs visible, shard size 2 (NCCL shard groups): the README-style kill on
    llama_debug 2x2 + verify, the nccl replicate data plane (docs/dataplane.md: W=2 S=1,
    overlapped, a kill inside the reduction, + verify), and llama_1b 1x2 failure-free step time.
@@ -23,6 +29,10 @@ returns what finished), then one table:
    the same bytes, at G=2 (sections 2-4).
 7. ``g8_overhead``: the same at G=8 (W=1 and W=2 resilient, failure-free), only when section 2's
    figures say both runs fit the time left; recorded as skipped (with the estimate) otherwise.
+8. ``abort_rebuild``: the data plane's abort + rebuild after a SIGKILL with an all-reduce in
+   flight (bench collectives' plane-kill worker): op given up, ULFM repair, the next epoch's
+   group built, kill -> next all-reduce; the nccl plane with >= 2 GPUs (one rank per GPU), the
+   gloo plane on CPU tensors otherwise (labelled).
 
 On a machine without CUDA (or with ``--cpu``) every section runs with small shapes (llama_debug,
 seq 32) so CI keeps the command alive; ``--quick`` shrinks section 1 to one kill on 2 replicas.
@@ -30,7 +40,7 @@ Time (bench/gpu_plan.py): ``--budget-s`` (default 360 s, counted from the start 
 launch/bench_gpu.sh) is a hard deadline: the plan cuts steps, then defers sections, to fit it;
 every child gets at most the time left (and its section at most 180 s); what runs past is
 killed with its whole tree and recorded as killed. ``--plan`` prints the plan and exits (1 when
-it does not fit). The default sections are 1-5; section 7 waits for a later window.
+it does not fit). The default sections are 1-5 and 8; section 7 waits for a later window.
 """
 from __future__ import annotations
 
@@ -39,15 +49,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from recover_hsdp.bench import gpu_plan as P
+from recover_hsdp.bench import gpu_reduction as R
 from recover_hsdp.bench import harness as H
-from recover_hsdp.bench.gpu_report import (device_info, model_flops_per_token,
+from recover_hsdp.bench.gpu_report import (device_info, model_flops_per_token, reduction_share,
                                             staged_allreduce_s, table, w2_overhead)
 
 REPO = H.REPO
@@ -68,7 +78,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="section 1 as one kill on 2 replicas (the CI shape)")
     p.add_argument("--sections", default=P.DEFAULT_SECTIONS,
-                   help=f"comma-separated subset of 1-5 and 7 (6 is derived; default "
+                   help=f"comma-separated subset of 1-5, 7 and 8 (6 is derived; default "
                         f"{P.DEFAULT_SECTIONS})")
     p.add_argument("--work-dir", "--out", dest="out", default=None, metavar="DIR",
                    help="result folder: runs and JSON (default runs/bench_gpu/<time>; old "
@@ -84,8 +94,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="steps of the 1B runs, never cut by the plan (default: planned)")
     p.add_argument("--staging-mb", type=float, default=None,
-                   help="bucket size of section 4 (default 256 MB on GPU, 8 MB on CPU)")
+                   help="one bucket of this size in section 4 instead of the model's FSDP unit "
+                        "sizes (default: those of llama_1b on GPU, llama_debug on CPU)")
     p.add_argument("--staging-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--staging-buckets", default="", help=argparse.SUPPRESS)
+    p.add_argument("--staging-plane", default="none", choices=["none", "gloo", "nccl"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
                    help="a config override for every resilient training run (repeatable), "
                         "e.g. --set parallel.fsdp=2 (docs/fsdp2.md); the plain-FSDP arms "
@@ -100,8 +114,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-def _tail(log: Path, n: int = 3) -> str:
-    return " | ".join(H.tail(log, n + 3).strip().splitlines()[-n:])[-600:]
+_tail = R.log_tail
 
 
 def steps_of(run_dir: Path, rank: int = 0) -> list[dict]:
@@ -226,7 +239,7 @@ class Bench:
                   "optim.warmup_steps=1", "parallel.mixed_precision=fp32", *self.small]
         else:  # the README schedule (kills at steps 5, 12, 20)
             ov = ["parallel.replicas=4", "parallel.shard_size=1", "parallel.grad_accum=1",
-                  "failures=readme", f"run.steps={22 if self.cpu else 30}",
+                  "failures=readme", "run.steps=22",   # kills at 5, 12, 20: 22 suffice
                   "run.save_params_every=1", "optim.warmup_steps=5",
                   "parallel.mixed_precision=fp32", *self.small]  # verify judges fp32 exactly
         res = self._verified_run(run, ov)
@@ -327,31 +340,20 @@ class Bench:
             res["target_s"] = normal + 2.0
             res["met"] = res["kill_to_commit_s"] < normal + 2.0
         res["restore"] = by_step.get(kill_step, {}).get("restore_mode")
+        # the W=2 failure-free steps before the kill: the reduction's share of the step
+        res["reduction"] = reduction_share({r: steps_of(run, r) for r in (0, 1)},
+                                           range(1, kill_step))
         res["ok"] = rc == 0
         if rc != 0:
             res["error"] = _tail(run.parent / f"{run.name}.log")
         return res
 
-    # --- 4 ---------------------------------------------------------------------------------
+    # --- 4 and 8: bench/gpu_reduction.py -----------------------------------------------------
     def s4_staging(self) -> dict:
-        from recover_hsdp.launcher.command import mpi_env, mpirun_prefix as mpirun_command
+        return R.s4_staging(self)
 
-        mb = self.args.staging_mb or (8.0 if self.cpu else 256.0)
-        out = Path(tempfile.mkdtemp(prefix="bench_gpu_staging_", dir=self.out))
-        cmd = mpirun_command(2) + [sys.executable, "-m", "recover_hsdp.bench.gpu",
-                                   "--staging-worker", "--staging-mb", str(mb),
-                                   "--out", str(out)] + (["--cpu"] if self.cpu else [])
-        env = mpi_env({}, pythonpath=str(REPO))
-        log = self.out / "s4_staging.log"
-        rc, _ = self._run(cmd, log, 120, env=env)
-        res: dict[str, Any] = {"rc": rc, "bucket_mb": mb}
-        r0 = out / "rank0.json"
-        if r0.exists():
-            res.update(json.loads(r0.read_text()))
-        else:
-            res["error"] = _tail(log)
-        res["ok"] = rc == 0 and "ulfm_gbps" in res
-        return res
+    def s8_abort_rebuild(self) -> dict:
+        return R.s8_abort_rebuild(self)
 
     # --- 5 ---------------------------------------------------------------------------------
     def s5_s2(self) -> dict:
@@ -428,7 +430,7 @@ class Bench:
 
 SECTIONS = ((1, "readme", "s1_readme"), (2, "1b_failure_free", "s2_failure_free"),
             (3, "1b_kill", "s3_kill"), (4, "staging", "s4_staging"), (5, "s2", "s5_s2"),
-            (7, "g8_overhead", "s7_g8"))
+            (7, "g8_overhead", "s7_g8"), (8, "abort_rebuild", "s8_abort_rebuild"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

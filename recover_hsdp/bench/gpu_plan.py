@@ -8,7 +8,9 @@ same device kind (``<runs>/bench_gpu/*/<n>_<name>.json``: its wall time, rescale
 steps) or else from the figures measured on the lent H200 (docs/gpu.md,
 2026-11-30) and, where that page has none, a stated assumption. The plan keeps the sections in
 order of value (1 the README kill schedule + verify, fp32 and bf16; 2 llama_1b failure-free,
-resilient vs plain; 3 llama_1b W=2 with a kill mid-reduction; 4 staging bandwidth) and, while the
+resilient vs plain; 3 llama_1b W=2 with a kill mid-reduction, and the reduction's share of its
+steps before the kill; 4 staging bandwidth at llama_1b's bucket sizes, ulfm vs nccl; 5 S = 2;
+8 the data plane's abort + rebuild) and, while the
 total is over the budget, first cuts steps (lowest value first, down to each section's minimum),
 then defers whole sections (lowest value first; one that fits what is left then comes back).
 Explicit ``--steps`` are never cut.
@@ -36,7 +38,7 @@ ENV_T0 = "RECOVER_HSDP_BENCH_T0"
 #: every child of one bench carries this id in its environment (the sweep that kills leftovers)
 ENV_ID = "RECOVER_HSDP_BENCH_ID"
 #: the sections the default command runs (section 6 is derived; 7 waits for a later window)
-DEFAULT_SECTIONS = "1,2,3,4,5"
+DEFAULT_SECTIONS = "1,2,3,4,5,8"
 
 SHARED = "docs/gpu.md (the first H200 run, one GPU, 2026-11-30)"
 
@@ -58,22 +60,36 @@ class Estimate:
 
 # The lent H200's figures (SHARED), with the parts it does not give stated as assumptions.
 GPU_ESTIMATES = {
-    1: Estimate(1, "readme", 80.0, 0.0, 22, 22,
+    1: Estimate(1, "readme", 72.0, 0.0, 22, 22,
                 "assumed: 2 runs (fp32, bf16) x (~15 s start-up of 4 ranks + 22 llama_debug "
-                f"steps + 3 recoveries) + verify ~10 s each; {SHARED}: 30/30 steps, verify OK"),
+                "steps + 3 recoveries) + verify ~10 s each (80 s for the 30 steps run before; "
+                "-8 s for 8 fewer steps x 2 runs at an assumed 0.5 s per step, train + "
+                f"snapshot + verify replay); {SHARED}: 30/30 steps, verify OK"),
     2: Estimate(2, "1b_failure_free", 80.0, 2.26 + 6.9, 4, 3,
                 f"{SHARED}: plain 2.26 s/step, resilient 6.2-6.9 s in train_step (no "
                 "snapshots here); assumed 40 s start-up per arm"),
     3: Estimate(3, "1b_kill", 40.0, 30.0, 4, 3,
                 f"{SHARED}: ~30 s commit to commit at W=2 on one GPU; assumed 40 s start-up"),
     4: Estimate(4, "staging", 20.0, 0.0, 1, 1,
-                "assumed: 2 ranks, one 256 MB bucket, start-up ~15 s"),
+                "assumed: 2 ranks (sharing the GPU when there is one), start-up ~15 s, "
+                "llama_1b's 232 MiB block and 32 MiB root buckets x 6 ulfm all-reduces + 6 "
+                "pinned round trips each (one 256 MB bucket before; the same bytes within 12 %)"),
     5: Estimate(5, "s2", 210.0, 0.0, 1, 1,
                 "assumed (S >= 2 on NCCL and the nccl data plane have never run): llama_debug "
                 "2x2 + verify, the nccl plane W=2 overlapped with a kill + verify, 1B 1x2"),
     7: Estimate(7, "g8_overhead", 80.0, 4 * 6.9 + 4 * 30.0, 4, 3,
                 f"{SHARED}: section 2 and 3 step times x 4 (G=8); assumed 40 s start-ups"),
+    8: Estimate(8, "abort_rebuild", 20.0, 0.0, 1, 1,
+                "assumed (the nccl plane has never run): min(GPUs, 4) ranks, NCCL init twice, "
+                "ranks - 2 kills"),
 }
+#: section 4's nccl column with >= 2 GPUs: the same sizes once more on the nccl plane
+NCCL_STAGING_S = 10.0
+#: section 8 with one GPU: the gloo plane on CPU tensors, the same job as the CPU shape's
+GLOO_ABORT_ON_GPU_MACHINE = Estimate(
+    8, "abort_rebuild", 10.0, 0.0, 1, 1,
+    "measured here (the 2-core CPU box, load 9): 9.6 s; the same CPU job (gloo, 3 ranks, one "
+    "kill) on the GPU machine, nccl needing >= 2 GPUs")
 # The CPU shape (llama_debug, seq 32): measured on the 2-core CI machine kind.
 CPU_ESTIMATES = {
     1: Estimate(1, "readme", 45.0, 0.0, 22, 22,
@@ -81,9 +97,12 @@ CPU_ESTIMATES = {
     2: Estimate(2, "1b_failure_free", 20.0, 0.1, 5, 3,
                 "measured here: two ~9 s start-ups, 0.04 s/step"),
     3: Estimate(3, "1b_kill", 12.0, 0.1, 5, 3, "measured here: one start-up + a recovery"),
-    4: Estimate(4, "staging", 8.0, 0.0, 1, 1, "measured here: 2 ranks, 8 MB"),
+    4: Estimate(4, "staging", 8.0, 0.0, 1, 1,
+                "measured here: 6.4 s at load 9 (2 ranks, llama_debug's buckets, ulfm + gloo)"),
     5: Estimate(5, "s2", 0.0, 0.0, 1, 1, "skipped without 2 GPUs"),
     7: Estimate(7, "g8_overhead", 20.0, 0.3, 5, 3, "measured here: two start-ups"),
+    8: Estimate(8, "abort_rebuild", 10.0, 0.0, 1, 1,
+                "measured here: 9.6 s at load 9 (gloo, 3 ranks, one kill)"),
 }
 #: section 1 under --quick: one fp32 run, one kill on 2 replicas, 3 steps, + verify
 QUICK_S1 = {False: Estimate(1, "readme", 35.0, 0.0, 3, 3, "assumed: one ~15 s start-up of 2 "
@@ -144,6 +163,13 @@ def make_plan(sections: Iterable[int], budget_s: float, *, cpu: bool, gpus: int,
                           source=f"skipped at once: needs >= 2 GPUs (planned for {gpus}): S = 2 "
                                  "on NCCL and the nccl data plane (one GPU cannot hold two "
                                  "ranks of one NCCL communicator)")
+        elif n == 8 and gpus < 2 and not cpu:
+            est = GLOO_ABORT_ON_GPU_MACHINE
+        elif n == 4 and gpus >= 2 and not cpu:
+            est = (runs is not None and recorded(runs, est, cpu)) or replace(
+                est, fixed_s=est.fixed_s + NCCL_STAGING_S,
+                source=est.source + f"; + {NCCL_STAGING_S:.0f} s assumed for the nccl column "
+                                    "(never run: one rank per GPU, NCCL init)")
         elif runs is not None:
             est = recorded(runs, est, cpu) or est
         fixed = steps is not None and est.per_step_s > 0
