@@ -14,6 +14,9 @@ active rank runs the JOIN at the step boundary; the standbys are already in the 
      rank j + p's rank j) and one broadcast from the lowest alive replica: a header, the
      pickled small state (policy, data cursors, step, failure counters, the optimizer's
      state_dict skeleton) and one byte payload (flat parameter shards + optimizer tensors).
+     The bytes go on the replicate data plane's join group (``plane.join_group``: the ULFM
+     subgroup itself on ``ulfm``; a gloo/NCCL group of the same members on ``gloo``/``nccl``,
+     NCCL in device memory), each broadcast bounded by the plane.
   3. confirm round: one consensus carrying every participant's "my part worked" bit. All bits
      and no death: committed. The survivors switch to the new replicate groups, p takes slot d
      and contributes from the next step; the layout is re-grown (policy/standby.py).
@@ -116,29 +119,37 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
     cross = mgr.cross
     S, j = cross.S, cross.shard_index
     ranks = sorted([cross.phys[r] * S + j for r in cross.alive] + [p * S + j])
+    tx = None
     try:
-        grp = cross.world.subgroup(ranks)
+        grp = cross.world.subgroup(ranks)      # the next replicate group (the control plane's)
+        tx = cross.plane.join_group(grp, ranks)  # the bytes: on the data plane (docs/dataplane.md)
         if not newcomer:
             mgr.hooks.at("join", mgr.step)  # the failure simulator: a sender dies
         src = ranks.index(cross.phys[min(cross.alive)] * S + j)
         me_src = cross.global_rank == ranks[src]
+        dev = tx.device
+
+        def there(t: torch.Tensor) -> torch.Tensor:
+            return t if dev is None else t.to(dev)
+
         if me_src:
             blob, payload = _pack(mgr)
             hdr = torch.tensor([len(blob), payload.numel()], dtype=torch.int64)
         else:
             hdr = torch.zeros(2, dtype=torch.int64)
-        if not grp.broadcast(hdr, src).ok:
+        hdr = there(hdr)
+        if not tx.broadcast(hdr, src):
             return None, None
         nb, npay = int(hdr[0]), int(hdr[1])
-        buf = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me_src
-               else torch.zeros(nb, dtype=torch.uint8))
-        if not grp.broadcast(buf, src).ok:
+        buf = there(torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me_src
+                    else torch.zeros(nb, dtype=torch.uint8))
+        if not tx.broadcast(buf, src):
             return None, None
-        pay = payload if me_src else torch.zeros(npay, dtype=torch.uint8)
-        if not grp.broadcast(pay, src).ok:
+        pay = there(payload if me_src else torch.zeros(npay, dtype=torch.uint8))
+        if not tx.broadcast(pay, src):
             return None, None
         if newcomer:
-            state = pickle.loads(buf.numpy().tobytes())
+            state = pickle.loads(buf.cpu().numpy().tobytes())
             mgr.hooks.at("join", int(state["step"]))  # the newcomer dies while healing
             _unpack(mgr, state, pay)
             return grp, state
@@ -146,6 +157,9 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
     except Exception as e:  # noqa: BLE001 - a failure while building the group / sending
         mgr.log(f"rank {cross.global_rank}: join transfer failed: {str(e).splitlines()[0][:200]}")
         return None, None
+    finally:
+        if tx is not None:
+            tx.close()
 
 
 # ---- active replicas --------------------------------------------------------------------------
@@ -158,7 +172,7 @@ def join_step(mgr) -> Optional[dict]:
     t0 = time.perf_counter()
     p, d = _candidates(cross)
     entry = {"replica": d, "standby": p, "after_step": mgr.step - 1,
-             "ranks": [p * cross.S + k for k in range(cross.S)]}
+             "ranks": [p * cross.S + k for k in range(cross.S)], "transfer": cross.plane.name}
     res, _ = _round(cross, join=1)
     if not res.ok:
         return {**entry, "outcome": "abandoned", "why": "a death in the request round"}
@@ -248,5 +262,6 @@ def _be_promoted(mgr, p: int, d: int) -> bool:
     _install(mgr, grp, d)
     mgr.activate()   # the standbys lost so far are in the survivors' records; an orchestrator
     mgr.joins = [{"replica": d, "standby": p, "after_step": mgr.step - 1,
-                  "ranks": [p * cross.S + k for k in range(cross.S)], "outcome": "joined"}]
+                  "ranks": [p * cross.S + k for k in range(cross.S)],
+                  "transfer": cross.plane.name, "outcome": "joined"}]
     return True

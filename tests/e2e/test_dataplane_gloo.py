@@ -250,6 +250,7 @@ def test_standby_takes_the_lost_slot_on_gloo(tmp_path, overlap):
     joined = [j for s in rec.committed for j in ((rec.steps[s].extra or {}).get("joins") or [])
               if j.get("outcome") == "joined"]
     assert joined and joined[0]["replica"] == 1, [rec.steps[s].extra for s in rec.committed]
+    assert joined[0]["transfer"] == "gloo", joined       # the state's bytes on the data plane
     assert sorted(rec.summary["replicas_alive"]) == [0, 1, 2]
     check_bitwise_and_verify(run_dir, steps, S, out)
 

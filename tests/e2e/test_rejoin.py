@@ -31,9 +31,10 @@ pytestmark = [pytest.mark.mpi]
 W, G, STEPS = 3, 2, 6
 
 
-def _run(tmp_path, schedule, *, S=1, standby=1, steps=STEPS):
+def _run(tmp_path, schedule, *, S=1, standby=1, steps=STEPS, plane="ulfm"):
     cfg = _cfg(tmp_path, W=W, S=S, G=G, schedule=schedule, steps=steps)
     cfg["parallel"]["standby"] = standby
+    cfg["parallel"]["replicate_data_plane"] = plane   # the join's bytes travel on it
     out = run_training(cfg, timeout=current_deadline().left())   # the test's one budget
     run_dir = Path(cfg["run"]["output_dir"])
     assert (run_dir / "summary.json").exists(), out.stdout[-6000:]
@@ -73,7 +74,8 @@ def kill_to_first_contribution_s(run_dir: Path, rec, slot: int, standby: int, S:
 
 
 @pytest.mark.timeout(600)
-def test_s2_standby_takes_the_lost_slot_after_a_failed_join(tmp_path):
+@pytest.mark.parametrize("plane", ["ulfm", "gloo"])
+def test_s2_standby_takes_the_lost_slot_after_a_failed_join(tmp_path, plane):
     """S=2, W=3 + 2 standbys (10 processes). Replica 1 (its rank 3) killed at step 2. Before step
     3 standby block 3 is promoted but its rank 6 is killed after it received the state: that join
     is abandoned (step 3 runs on two replicas; rank 7 leaves too). Before step 4 the next standby
@@ -82,7 +84,8 @@ def test_s2_standby_takes_the_lost_slot_after_a_failed_join(tmp_path):
     S, steps = 2, 6
     run_dir, rec, out = _run(tmp_path, [K(2, 1, "reduce", local_rank=1, bucket=1),
                                         K(3, 3, "join", local_rank=0)],
-                             S=S, standby=2, steps=steps)
+                             S=S, standby=2, steps=steps, plane=plane)
+    assert {j.get("transfer") for s in rec.committed for j in _joins(rec, s)} == {plane}
     assert [f["replicas"] for f in rec.steps[2].failures] == [[1]]
     assert rec.steps[2].alive == [0, 2] and rec.steps[3].alive == [0, 2]
     assert [(j["replica"], j["standby"], j["ranks"], j["outcome"]) for j in _joins(rec, 3)] == [
@@ -102,16 +105,20 @@ def test_s2_standby_takes_the_lost_slot_after_a_failed_join(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_cycles_of_one_slot_and_the_sender_dying(tmp_path):
+@pytest.mark.parametrize("plane", ["ulfm", "gloo"])
+def test_two_cycles_of_one_slot_and_the_sender_dying(tmp_path, plane):
     """S=1, W=3 + 3 standbys. Cycle 1: replica 0 killed at step 1, standby 3 takes slot 0 before
     step 2 (the sender is replica 1, the lowest survivor). Cycle 2: block 3 (slot 0) killed at
     step 3; before step 4 the sender (replica 1) dies before it sends: that join is abandoned
     (standby 4 leaves), step 4 handles replica 1's loss; before step 5 standby 5 takes slot 0
-    again. Every step committed, ids once, each newcomer bit-identical, verify OK."""
+    again. Every step committed, ids once, each newcomer bit-identical, verify OK. On the gloo
+    plane the state travels on a gloo group of the join's members (the sender's death: that
+    group's broadcast given up by its monitor, the join abandoned the same way)."""
     steps = 7
     run_dir, rec, out = _run(tmp_path, [K(1, 0, "reduce", bucket=1),
                                         K(3, 3, "backward", microbatch=0), K(4, 1, "join")],
-                             standby=3, steps=steps)
+                             standby=3, steps=steps, plane=plane)
+    assert {j.get("transfer") for s in rec.committed for j in _joins(rec, s)} == {plane}
     assert [f["replicas"] for f in rec.steps[1].failures] == [[0]]
     assert [(j["replica"], j["standby"], j["outcome"]) for j in _joins(rec, 2)] == [
         (0, 3, "joined")]

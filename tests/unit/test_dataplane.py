@@ -313,3 +313,87 @@ def test_train_refuses_bad_plane_settings_in_one_line_exit_2(overrides, names, c
     assert train.main([*overrides, "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and names in err[0], err
+
+
+# ---- a standby's join: the state transfer on the data plane (hsdp/standby.py) ----------------
+def _join_planes(n, control=None, timeout_s=30.0):
+    """n gloo planes of one process (one per "rank"), their groups real ProcessGroupGloo over a
+    shared HashStore."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    planes, logs = [], []
+    for me in range(n):
+        cross = FakeCross(ranks=range(n), me=me)
+        kw = {} if control is None else {"control": control}
+        planes.append(make_data_plane("gloo", cross, timeout_s=timeout_s, poll_s=0.005,
+                                      make_store=lambda prefix: dist.PrefixStore(prefix, store),
+                                      log=logs.append, **kw))
+    return planes, logs
+
+
+def test_join_broadcasts_go_on_a_gloo_group_of_the_join_members():
+    planes, logs = _join_planes(3)
+    payload = torch.arange(1000, dtype=torch.uint8)
+    got, oks = {}, {}
+
+    def member(me):
+        tx = planes[me].join_group(None, [0, 1, 2])
+        assert tx.device is None
+        hdr = torch.tensor([7, payload.numel()]) if me == 1 else torch.zeros(2, dtype=torch.int64)
+        ok1 = tx.broadcast(hdr, 1)
+        buf = payload.clone() if me == 1 else torch.zeros(int(hdr[1]), dtype=torch.uint8)
+        oks[me] = ok1 and tx.broadcast(buf, 1)
+        got[me] = (hdr.tolist(), buf)
+        tx.close()
+
+    ts = [threading.Thread(target=member, args=(me,)) for me in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert oks == {0: True, 1: True, 2: True}, (oks, logs)
+    for me in range(3):
+        assert got[me][0] == [7, 1000] and torch.equal(got[me][1], payload)
+    assert all(p.parked == [] for p in planes) and logs == []
+
+
+def test_a_join_broadcast_is_given_up_when_a_member_is_known_dead():
+    """Member 1 never comes (dead): member 0's broadcast returns False one poll after the control
+    plane knows, logs one line, and its unbuilt group is set aside, never destroyed here."""
+    state = {"failed": ()}
+    planes, logs = _join_planes(2, control=lambda: "failed ranks [1] known to the control plane"
+                                if state["failed"] else None)
+    tx = planes[0].join_group(None, [0, 1])
+    state["failed"] = (1,)
+    assert tx.broadcast(torch.zeros(2, dtype=torch.int64), 0) is False
+    assert tx.broadcast(torch.zeros(2, dtype=torch.int64), 0) is False     # stays given up
+    tx.close()
+    assert len(logs) == 1 and "join transfer given up" in logs[0] and "[1]" in logs[0], logs
+    assert len(planes[0].parked) == 1
+
+
+def test_a_join_watches_only_its_members_failures():
+    cross = FakeCross(ranks=(0, 1, 2, 3), me=0)
+    plane, _, _ = _plane(cross)
+    cross.world.failed = (3,)
+    assert plane._members_failed([0, 2]) is None
+    cross.world.failed = (2, 3)
+    assert "[2]" in plane._members_failed([0, 2])
+
+
+def test_the_ulfm_plane_joins_on_the_ulfm_subgroup():
+    class Grp:
+        def __init__(self, ok):
+            self.ok, self.calls = ok, []
+
+        def broadcast(self, t, src):
+            self.calls.append(src)
+            return type("R", (), {"ok": self.ok})()
+
+    plane = make_data_plane("ulfm", FakeCross())
+    for ok in (True, False):
+        g = Grp(ok)
+        tx = plane.join_group(g, [0, 1])
+        assert tx.device is None and tx.broadcast(torch.zeros(1), 1) is ok and g.calls == [1]
+        tx.close()

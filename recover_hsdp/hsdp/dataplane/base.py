@@ -13,6 +13,14 @@ detection, agreement and repair stay on ULFM (the control plane). What a plane m
   over the new members. Called on every member at the same point (after a repair, after a join).
 * ``is_async``: posts return before the data moved (the orchestrator posts every bucket of a
   pass, then waits); False for the ulfm plane, whose result is known at the post.
+* ``join_group(ulfm_group, members) -> JoinGroup``: the state transfer of a standby's join
+  (hsdp/standby.py): every member of the join (the survivors at this shard index and the
+  newcomer, ``members`` sorted global ranks; ``ulfm_group`` their new ULFM subgroup, the next
+  replicate group) calls it at the same point. ``JoinGroup.broadcast(tensor, src) -> bool``
+  broadcasts in place from member index ``src``; False on any failure (a death, an error, the
+  plane's timeout: never raises, never waits past a bound the plane can name), after which the
+  join is abandoned by its confirm round. ``JoinGroup.device``: where the tensors must be (None:
+  host memory). ``JoinGroup.close()`` once the transfer is over.
 * ``close()``: end of the job (never on the critical path of a recovery).
 """
 from __future__ import annotations
@@ -33,6 +41,14 @@ class DataPlaneWork(Protocol):
     def wait(self) -> Any: ...
 
 
+class JoinGroup(Protocol):
+    device: Any
+
+    def broadcast(self, tensor, src: int) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class DataPlane(Protocol):
     name: str
     is_async: bool
@@ -40,5 +56,7 @@ class DataPlane(Protocol):
     def allreduce(self, tensor) -> DataPlaneWork: ...
 
     def membership_changed(self) -> None: ...
+
+    def join_group(self, ulfm_group, members: list[int]) -> JoinGroup: ...
 
     def close(self) -> None: ...

@@ -117,6 +117,7 @@ class GlooPlane:
             topology.store_client(needed_by=needed)   # refuse now, in one line, not in a thread
         self._make_pg = make_pg or self._new_pg
         self._control = control or self._poll_world
+        self._control_given = control is not None     # tests: one stand-in for every monitor
         self._gen: Optional[_Generation] = None
         self.parked: list[_Generation] = []      # abandoned generations: never destroyed here
         self.stats = {"posted": 0, "abandoned": 0, "suspected": 0, "builds": 0}
@@ -130,20 +131,40 @@ class GlooPlane:
             self.parked.append(old)
         if cross.is_standby:
             return
-        members = sorted(int(g) for g in cross.global_ranks)
+        self._gen = self._generation(cross.global_ranks, f"e{cross.world.epoch}")
+
+    def _generation(self, members, tag: str) -> _Generation:
+        """A group over ``members`` (global ranks), built in a thread on the store prefix
+        ``rh/dp/<plane>/<launch>/j<j>/<tag>/<members' digest>/``."""
+        cross = self.cross
+        members = sorted(int(g) for g in members)
         digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         # a launch id (per launch: a store outlives no launch, but be safe with a reused one)
         launch = os.environ.get("RECOVER_HSDP_LAUNCH_ID", "")
-        key = f"rh/dp/{self.name}/{launch}/j{cross.shard_index}/e{cross.world.epoch}/{digest}/"
+        key = f"rh/dp/{self.name}/{launch}/j{cross.shard_index}/{tag}/{digest}/"
         gen = _Generation(key, members, members.index(int(cross.global_rank)))
-        self._gen = gen
         if gen.size == 1:
             gen.ready.set()
-            return
+            return gen
         self.stats["builds"] += 1
         gen.thread = threading.Thread(target=self._build, args=(gen,), daemon=True,
                                       name=f"rh-dp-build-{cross.shard_index}")
         gen.thread.start()
+        return gen
+
+    def join_group(self, ulfm_group, members) -> "_JoinGroup":
+        """A join's state transfer on this plane: a group of its own over the join's members
+        (the survivors at this shard index + the newcomer; unique per launch: a standby that
+        was part of an abandoned join never joins again), built now, connected by the first
+        broadcast. ``ulfm_group`` (the next replicate group) stays the control plane's."""
+        gen = self._generation(members, "join")
+        control = self._control if self._control_given else (
+            lambda: self._members_failed(gen.members))
+        return _JoinGroup(self, gen, control)
+
+    def _device(self):
+        """Where a join's tensors travel (gloo: host memory)."""
+        return None
 
     def _build(self, gen: _Generation) -> None:
         try:
@@ -168,10 +189,19 @@ class GlooPlane:
             return "the control plane was revoked by a peer"
         return None
 
-    def _wait_event(self, ev: threading.Event, deadline: float) -> Optional[str]:
+    def _members_failed(self, members) -> Optional[str]:
+        """A join's monitor: only a failure of one of its members stops its transfer (a death
+        elsewhere reaches the next consensus, as on the join's ULFM subgroup)."""
+        _, failed = self.cross.world.poll_failures()
+        bad = sorted(set(failed) & set(members))
+        return f"failed ranks {bad} known to the control plane" if bad else None
+
+    def _wait_event(self, ev: threading.Event, deadline: float,
+                    control: Optional[Callable[[], Optional[str]]] = None) -> Optional[str]:
         """Wait for ``ev`` under the monitor: None when set, else why it was given up."""
+        control = control or self._control
         while not ev.wait(self.poll_s):
-            why = self._control()
+            why = control()
             if why:
                 return why
             if time.monotonic() > deadline:
@@ -241,6 +271,68 @@ class GlooPlane:
 
     def close(self) -> None:
         self._gen = None
+
+
+class _JoinGroup:
+    """The broadcasts of one join on a data-plane group (GlooPlane.join_group). Each waits under
+    the plane's monitor: the build and each op by the plane's timeout (+ one poll), a failure the
+    control plane knows of by one poll. Any failure: False (the join is abandoned by its confirm
+    round; nothing is revoked: the deaths reach the next consensus as any other)."""
+
+    def __init__(self, plane: GlooPlane, gen: _Generation,
+                 control: Callable[[], Optional[str]]):
+        self.plane, self.gen, self.control = plane, gen, control
+        self.device = plane._device()
+        self.bytes = 0
+
+    def _fail(self, why: str) -> bool:
+        gen = self.gen
+        if not gen.broken:
+            gen.broken = True
+            self.plane.log(f"data plane {self.plane.name}: join transfer given up ({why})")
+            self.plane._give_up(gen)
+        return False
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> bool:
+        plane, gen = self.plane, self.gen
+        if gen is None or gen.broken:
+            return False
+        if gen.size == 1:
+            return True
+        if not gen.ready.is_set():
+            why = plane._wait_event(gen.ready, time.monotonic() + plane.timeout_s + plane.poll_s,
+                                    self.control)
+            if why:
+                return self._fail(f"group of ranks {gen.members} not built: {why}")
+        if gen.error is not None:
+            return self._fail(f"group build failed: {_first_line(gen.error)}")
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = int(src), 0
+        try:
+            work = gen.pg.broadcast([tensor], opts)
+        except RuntimeError as e:
+            return self._fail(f"broadcast post failed: {_first_line(e)}")
+        ev = threading.Event()
+        work.get_future().add_done_callback(lambda _f: ev.set())
+        why = plane._wait_event(ev, time.monotonic() + plane.timeout_s + plane.poll_s,
+                                self.control)
+        if why:
+            return self._fail(f"broadcast: {why}")
+        try:
+            work.wait()
+        except RuntimeError as e:
+            return self._fail(f"broadcast failed: {_first_line(e)}")
+        self.bytes += tensor.numel() * tensor.element_size()
+        return True
+
+    def close(self) -> None:
+        """A broken or unbuilt group is set aside (gloo cannot abort; ~ProcessGroupGloo joins
+        its threads), never destroyed here; a finished one is let go."""
+        gen, self.gen = self.gen, None
+        if gen is not None and (gen.broken or not gen.ready.is_set()):
+            self.plane.parked.append(gen)
 
 
 class _GlooWork:

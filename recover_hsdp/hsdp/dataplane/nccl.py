@@ -56,6 +56,12 @@ class NcclPlane(GlooPlane):
 
         return dist.ProcessGroupNCCL(store, rank, size, nccl_options(timeout_s))
 
+    def _device(self):
+        """A join's tensors travel in this rank's GPU memory (NCCL moves device tensors only)."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+
     def _give_up(self, gen: _Generation) -> None:
         """Abort the generation's communicators off the critical path (bounded by the
         non-blocking timeout inside torch; a hung abort only holds its own thread)."""

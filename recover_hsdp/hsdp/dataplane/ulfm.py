@@ -29,5 +29,23 @@ class UlfmPlane:
     def membership_changed(self) -> None:
         """The replicate groups are repaired in place by the control plane: nothing to do."""
 
+    def join_group(self, ulfm_group, members) -> "UlfmJoin":
+        """A join's state transfer on the join's ULFM subgroup itself."""
+        return UlfmJoin(ulfm_group)
+
+    def close(self) -> None:
+        pass
+
+
+class UlfmJoin:
+    """The join's broadcasts on its ULFM subgroup (blocking; a death is an unclean result)."""
+    device = None
+
+    def __init__(self, grp):
+        self.grp = grp
+
+    def broadcast(self, tensor, src: int) -> bool:
+        return bool(self.grp.broadcast(tensor, int(src)).ok)
+
     def close(self) -> None:
         pass
