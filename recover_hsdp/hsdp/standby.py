@@ -138,6 +138,7 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
         else:
             hdr = torch.zeros(2, dtype=torch.int64)
         hdr = there(hdr)
+        t0 = time.perf_counter()
         if not tx.broadcast(hdr, src):
             return None, None
         nb, npay = int(hdr[0]), int(hdr[1])
@@ -148,6 +149,10 @@ def _transfer(mgr, p: int, d: int, *, newcomer: bool):
         pay = there(payload if me_src else torch.zeros(npay, dtype=torch.uint8))
         if not tx.broadcast(pay, src):
             return None, None
+        # this rank's share of the join, for its next step record (local.join_transfer_*)
+        mgr.join_transfer = {"join_transfer_s": round(time.perf_counter() - t0, 6),
+                             "join_transfer_bytes": int(hdr.numel() * 8 + buf.numel()
+                                                        + pay.numel())}
         if newcomer:
             state = pickle.loads(buf.cpu().numpy().tobytes())
             mgr.hooks.at("join", int(state["step"]))  # the newcomer dies while healing

@@ -127,6 +127,8 @@ def run_worker(cfg: Any) -> int:
         if mgr.orch.iteration_log.exposed_s:   # end of the loop -> every bucket reduced (s)
             local["reduce_exposed_s"] = round(mgr.orch.iteration_log.exposed_s[0], 6)
         local["consensus_s"] = round(mgr.orch.iteration_log.consensus_s, 6)  # gate + control
+        local.update(getattr(mgr, "join_transfer", None) or {})   # a join's broadcasts (standby.py)
+        mgr.join_transfer = None
         recorder.commit(StepRecord(
             step=mt.step, loss=mt.loss if math.isfinite(mt.loss) else None, tokens=mt.tokens,
             alive=mt.alive, layout=mt.layout,

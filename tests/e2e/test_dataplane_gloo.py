@@ -251,6 +251,16 @@ def test_standby_takes_the_lost_slot_on_gloo(tmp_path, overlap):
               if j.get("outcome") == "joined"]
     assert joined and joined[0]["replica"] == 1, [rec.steps[s].extra for s in rec.committed]
     assert joined[0]["transfer"] == "gloo", joined       # the state's bytes on the data plane
+    s_join = min(s for s in rec.committed
+                 if any(j.get("outcome") == "joined"
+                        for j in ((rec.steps[s].extra or {}).get("joins") or [])))
+    sent = {g: (v.get("join_transfer_bytes"), v.get("join_transfer_s"))
+            for g, v in rec.local[s_join].items()}
+    # every rank of the join (the survivors and the newcomer, each shard index its own group)
+    # timed its broadcasts; one shard index's members moved the same bytes
+    assert len(sent) == W * S and all(b and t is not None for b, t in sent.values()), sent
+    for j in range(S):
+        assert len({sent[g][0] for g in sent if g % S == j}) == 1, sent
     assert sorted(rec.summary["replicas_alive"]) == [0, 1, 2]
     check_bitwise_and_verify(run_dir, steps, S, out)
 
