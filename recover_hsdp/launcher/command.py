@@ -74,6 +74,16 @@ FT_PML = "ob1"
 #: (prun, pterm, a debugger) attaches to our jobs. docs/faults.md, "PMIx start failures".
 NO_TOOL_ARGS = ("--prtemca", "pmix_tool_support", "0")
 
+#: ``--mca mpi_yield_when_idle 1``: a rank waiting in MPI (a Detect agreement, an all-reduce, the
+#: consensus) calls sched_yield between progress polls instead of spinning through its whole time
+#: slice. Open MPI 5 does not turn it on by itself under --oversubscribe. Without it, when the
+#: cores are shared (2 ranks + other busy processes on 2 cores), a waiting rank holds its core
+#: while its peer waits for one, and every blocking ULFM call costs about a scheduler period
+#: (~20-24 ms measured per bucket call, both ranks half running, half runnable): the W=2
+#: llama_debug step's exposed reduction was 52 ms of 3.4 MiB. docs/results.md, "Where the
+#: reduction time goes". A later ``--mca mpi_yield_when_idle 0`` in run.mpirun_args wins.
+YIELD_ARGS = ("--mca", "mpi_yield_when_idle", "1")
+
 
 def ft_coll_args() -> list[str]:
     """``--mca coll <FT_COLL>``."""
@@ -99,8 +109,7 @@ def mpirun_prefix(nprocs: int, *, ft: bool = True, extra_args: Sequence[str] = (
     cmd = [find_mpirun()]
     if ft:
         cmd += ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args()]
-    cmd += ["--oversubscribe", *NO_TOOL_ARGS, "--bind-to", "none",
-            "--mca", "mpi_yield_when_idle", "1"]
+    cmd += ["--oversubscribe", *NO_TOOL_ARGS, "--bind-to", "none", *YIELD_ARGS]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += ["-n", str(int(nprocs)), *extra_args]
@@ -137,12 +146,13 @@ def find_mpirun(explicit: str | None = None) -> str:
 def base_mpirun_args(np: int, *, euid: int | None = None,
                      export: Sequence[str] = ()) -> list[str]:
     """``--with-ft ulfm --mca coll <FT_COLL> --mca pml ob1 --oversubscribe --prtemca
-    pmix_tool_support 0 [--allow-run-as-root] -n NP [-x VAR ...]`` (FT_COLL: the failure-tested
-    collective components, no ``han``; ob1: the only PML ULFM supports, never UCX; no tool
-    rendezvous files: NO_TOOL_ARGS)."""
+    pmix_tool_support 0 --mca mpi_yield_when_idle 1 [--allow-run-as-root] -n NP [-x VAR ...]``
+    (FT_COLL: the failure-tested collective components, no ``han``; ob1: the only PML ULFM
+    supports, never UCX; no tool rendezvous files: NO_TOOL_ARGS; waiting ranks yield their core:
+    YIELD_ARGS)."""
     euid = os.geteuid() if euid is None else euid
     args = ["--with-ft", "ulfm", *ft_coll_args(), *ft_pml_args(), "--oversubscribe",
-            *NO_TOOL_ARGS]
+            *NO_TOOL_ARGS, *YIELD_ARGS]
     if euid == 0:
         args.append("--allow-run-as-root")
     args += ["-n", str(int(np))]

@@ -136,16 +136,16 @@ def test_mpirun_command_as_root_and_not(monkeypatch):
                                 export=["RECOVER_HSDP_STORE", "OMP_NUM_THREADS"], euid=0)
     assert cmd == ["/x/mpirun", "--with-ft", "ulfm", "--mca", "coll",
                    "self,basic,tuned,libnbc,ftagree", "--mca", "pml", "ob1", "--oversubscribe",
-                   "--prtemca", "pmix_tool_support", "0", "--allow-run-as-root",
-                   "-n", "4", "-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
+                   "--prtemca", "pmix_tool_support", "0", "--mca", "mpi_yield_when_idle", "1",
+                   "--allow-run-as-root", "-n", "4", "-x", "RECOVER_HSDP_STORE", "-x", "OMP_NUM_THREADS",
                    "--bind-to", "none",
                    "/venv/bin/python", "-m", "recover_hsdp.train", "--worker",
                    "/r/launcher/config.yaml"]
     cmd = launch.mpirun_command(2, "c.yaml", mpirun="mpirun", euid=1000)
-    assert "--allow-run-as-root" not in cmd and cmd[1:15] == [
+    assert "--allow-run-as-root" not in cmd and cmd[1:18] == [
         "--with-ft", "ulfm", "--mca", "coll", "self,basic,tuned,libnbc,ftagree",
         "--mca", "pml", "ob1", "--oversubscribe", "--prtemca", "pmix_tool_support", "0",
-        "-n", "2"]
+        "--mca", "mpi_yield_when_idle", "1", "-n", "2"]
     assert "han" not in cmd[5].split(",")      # failure-safe collectives only
 
 
