@@ -38,10 +38,10 @@ def one_thread():
 def mpirun_prefix(n: int) -> list[str]:
     bindir = Path(sys.executable).parent
     mpirun = bindir / "mpirun"
-    from recover_hsdp.launcher.command import NO_TOOL_ARGS, ft_coll_args
+    from recover_hsdp.launcher.command import NO_TOOL_ARGS, YIELD_ARGS, ft_coll_args
 
     cmd = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm", *ft_coll_args(),
-           "--oversubscribe", *NO_TOOL_ARGS,
+           "--oversubscribe", *NO_TOOL_ARGS, *YIELD_ARGS,
            "--bind-to", "none", "-n", str(n)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
