@@ -352,6 +352,7 @@ def test_join_broadcasts_go_on_a_gloo_group_of_the_join_members():
         t.start()
     for t in ts:
         t.join(60)
+    assert not any(t.is_alive() for t in ts), "a join member did not finish in 60 s"
     assert oks == {0: True, 1: True, 2: True}, (oks, logs)
     for me in range(3):
         assert got[me][0] == [7, 1000] and torch.equal(got[me][1], payload)
