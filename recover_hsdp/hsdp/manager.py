@@ -154,6 +154,11 @@ class HSDPULFMTrainingManager:
         self._fail_kill: Optional[Callable[[], None]] = None  # tests: replaces the SIGKILL
         self.heartbeat = failstop.start_heartbeat(
             getattr(recorder, "run_dir", None) or os.environ.get(failstop.ENV_RUN_DIR), self.rank)
+        # MPI answers its peers while this thread is in gloo (collectives/progress.py)
+        if hasattr(self.world, "poll_failures"):
+            from recover_hsdp.collectives.progress import MpiProgress
+
+            self.mpi_progress = MpiProgress(self.world).start()
         self.cross = HSDPCrossReplicaGroup(
             world=self.world, replicas=replicas, shard_size=shard_size, global_rank=self.rank,
             make_group=UlfmGroup.from_ranks, shard_barrier=self._shard_barrier,
