@@ -398,3 +398,27 @@ def test_the_ulfm_plane_joins_on_the_ulfm_subgroup():
         tx = plane.join_group(g, [0, 1])
         assert tx.device is None and tx.broadcast(torch.zeros(1), 1) is ok and g.calls == [1]
         tx.close()
+
+
+def test_this_ranks_own_fail_stop_inside_a_gloo_call_is_raised_not_suspected():
+    """Chaos's SIGUSR1 raises InjectedFault in the main thread wherever it is; inside the plane's
+    post it must end this rank (fail-stop), not become a suspected peer failure (a revoke, a
+    re-reduction, and the rank living on: seen in the gloo soak). A gloo RuntimeError stays a
+    suspected failure."""
+    from recover_hsdp.faults.failstop import InjectedFault
+
+    for exc, raised in ((InjectedFault("injected by SIGUSR1 (chaos)"), True),
+                        (RuntimeError("Connection closed by peer"), False)):
+        cross = FakeCross()
+        plane, pgs, logs = _plane(cross)
+
+        def boom(tensors, exc=exc):
+            raise exc
+        pgs[0].allreduce = boom
+        if raised:
+            with pytest.raises(InjectedFault):
+                plane.allreduce(torch.ones(2))
+            assert cross.world.revokes == 0 and logs == []
+        else:
+            assert plane.allreduce(torch.ones(2)).wait().reduce_failed
+            assert cross.world.revokes == 1 and "suspected failure" in logs[0]

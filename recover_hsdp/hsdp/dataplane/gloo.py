@@ -57,6 +57,18 @@ def _test_error_post() -> int:
     return int(n)
 
 
+def _not_ours(e: BaseException) -> None:
+    """Re-raise a fail-stop raised in this thread while it was inside a gloo call (chaos's
+    SIGUSR1 -> InjectedFault, a RuntimeError): it is this rank's own error, which must end the
+    rank (faults/failstop.py), not a peer's failure the plane hands to the control plane. Seen in
+    the gloo soak (W=3, seed 52, run 10): the raise turned into a suspected failure, the step was
+    re-reduced and the rank lived on."""
+    from recover_hsdp.faults.failstop import InjectedFault
+
+    if isinstance(e, InjectedFault):
+        raise e
+
+
 def _first_line(e: BaseException) -> str:
     """An exception's first line without gloo's source-path prefix ("[.../pair.cc:537] ")."""
     s = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -262,6 +274,7 @@ class GlooPlane:
         try:
             work = gen.pg.allreduce([buf])
         except RuntimeError as e:
+            _not_ours(e)
             self._suspect(gen, f"allreduce post failed: {_first_line(e)}")
             return self._failed()
         self.stats["posted"] += 1
@@ -313,6 +326,7 @@ class _JoinGroup:
         try:
             work = gen.pg.broadcast([tensor], opts)
         except RuntimeError as e:
+            _not_ours(e)
             return self._fail(f"broadcast post failed: {_first_line(e)}")
         ev = threading.Event()
         work.get_future().add_done_callback(lambda _f: ev.set())
@@ -323,6 +337,7 @@ class _JoinGroup:
         try:
             work.wait()
         except RuntimeError as e:
+            _not_ours(e)
             return self._fail(f"broadcast failed: {_first_line(e)}")
         self.bytes += tensor.numel() * tensor.element_size()
         return True
@@ -367,6 +382,7 @@ class _GlooWork:
                 if self.inject:
                     raise RuntimeError(f"injected data-plane error ({ENV_TEST_ERROR}, test)")
             except RuntimeError as e:
+                _not_ours(e)
                 plane._suspect(gen, f"allreduce failed: {_first_line(e)}")
             else:
                 if not gen.broken:
