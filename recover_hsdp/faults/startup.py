@@ -22,6 +22,8 @@ from typing import Optional
 from recover_hsdp.faults.failstop import ENV_RUN_DIR, RANKS_DIR
 
 ENV_STARTUP_FAULT = "RECOVER_HSDP_STARTUP_FAULT"
+#: launcher/rank.py's pid, in its program's environment (launcher/rank.ENV_SHIM)
+ENV_SHIM = "RECOVER_HSDP_RANK_SHIM"
 FAULT_DONE = "launcher/startup_fault.done"
 
 
@@ -40,6 +42,9 @@ def mark_start(run_dir: Optional[os.PathLike | str] = None) -> None:
     try:
         d.mkdir(parents=True, exist_ok=True)
         rec = {"rank": g, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+        shim = os.environ.get(ENV_SHIM, "")
+        if shim.isdigit():    # launched under launcher/rank.py, which writes our exit record
+            rec["shim"] = int(shim)
         tmp = d / f".start.rank{g}.json.tmp"
         tmp.write_text(json.dumps(rec))
         os.replace(tmp, d / f"start.rank{g}.json")

@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 from recover_hsdp.faults import errorlog
 from recover_hsdp.faults.failstop import CONFIG_ERRORS, ENV_RUN_DIR, ERRORS_DIR, RANKS_DIR
+from recover_hsdp.faults.startup import ENV_SHIM  # our pid, in the program's environment
 
 EXIT_RECORD = "exit.rank{g}.json"
 #: how much of the program's stderr is kept for an error record (the rest only passes through)
@@ -161,7 +162,10 @@ def run(cmd: Sequence[str]) -> int:
     g = _rank()
     tail: deque = deque()
     try:
-        proc = subprocess.Popen(list(cmd), stderr=subprocess.PIPE)
+        # the program's start marker keeps this shim's pid (ENV_SHIM): the start-up watch
+        # waits for the exit record while the shim lives, so a clean early end is not a death
+        proc = subprocess.Popen(list(cmd), stderr=subprocess.PIPE,
+                                env={**os.environ, ENV_SHIM: str(os.getpid())})
     except OSError as e:
         print(f"recover-hsdp launch: rank {g}: cannot run {cmd[0]!r}: {e.strerror or e}",
               file=sys.stderr, flush=True)
@@ -172,7 +176,7 @@ def run(cmd: Sequence[str]) -> int:
     if d is not None and g is not None:
         _write_json(d / RANKS_DIR / f"start.rank{g}.json",
                     {"rank": g, "pid": proc.pid, "host": socket.gethostname(),
-                     "time": time.time()})
+                     "time": time.time(), "shim": os.getpid()})
     tb = d / ERRORS_DIR / f"rank{g}.traceback.txt" if d is not None and g is not None else None
     pump = threading.Thread(target=_pump, args=(proc.stderr, tail, g, tb), daemon=True)
     pump.start()

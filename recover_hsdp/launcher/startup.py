@@ -12,7 +12,8 @@ rank that dies there leaves the others blocked in the TCPStore rendezvous until 
   ``imported`` torch and the trainer, ``joined`` the rendezvous, built its shard ``groups``,
   ``wrapped`` the model): start-up PROGRESS the launcher can see;
 * :class:`StartupWatch` (polled by the launcher every 0.2 s) reports a start-up failure when,
-  before the world formed, a started rank on this host is dead (detected in < 1 s), or no rank
+  before the world formed, a started rank on this host is dead (detected in < 1 s; a program
+  that EXITED 0 is not, by its shim's exit record, e.g. one that never uses the manager), or no rank
   has made start-up progress for the start-up bound (a rank hung or dead before its marker, a
   remote one). Progress is a marker that appears or changes phase, or a local rank whose CPU
   time grew (importing torch alone took over 65 s per rank at load average 23 on 2 cores). A
@@ -45,6 +46,11 @@ from recover_hsdp.launcher.reaper import alive as _alive
 #: the watch's default no-progress bound is derived from this (60 s + 5 s). The ranks' own
 #: rendezvous timeout (topology.DEFAULT_STORE_TIMEOUT_S) is 120 s
 STORE_TIMEOUT_S = 60.0
+
+
+#: how long a gone program's shim may take to write its exit record (launcher/rank.py: it
+#: waits up to 5 s for the program's stderr to drain, then writes it)
+EXIT_RECORD_WAIT_S = 8.0
 
 
 def _cpu_ticks(pid: int) -> Optional[int]:
@@ -92,6 +98,8 @@ class StartupWatch:
         self.last_progress = self.t0
         self._seen: dict[str, str] = {}
         self._cpu: dict[str, int] = {}
+        #: rank -> when its program was first seen gone without an exit record
+        self._gone: dict[str, float] = {}
         self._host = socket.gethostname()
 
     def _formed(self) -> bool:
@@ -106,6 +114,24 @@ class StartupWatch:
         from recover_hsdp.launcher.errors import read_errors
 
         return bool(read_errors(self.run_dir))
+
+    def _ended(self, d: Path, m: dict, now: float) -> Optional[bool]:
+        """A local starting rank whose program is gone: True if it exited 0 (its exit record,
+        launcher/rank.py), False if it died or failed, None while its shim still lives and has
+        not yet written the record (at most :data:`EXIT_RECORD_WAIT_S` after first seen)."""
+        from recover_hsdp.launcher.rank import EXIT_RECORD
+
+        try:
+            rec = json.loads((d / EXIT_RECORD.format(g=int(m["rank"]))).read_text())
+            if int(rec.get("pid", m["pid"])) == int(m["pid"]):
+                return rec.get("code") == 0 and "signal" not in rec
+        except (OSError, ValueError, TypeError):
+            pass
+        shim = m.get("shim")
+        first = self._gone.setdefault(str(m["rank"]), now)
+        if isinstance(shim, int) and _alive(shim) and now - first < EXIT_RECORD_WAIT_S:
+            return None
+        return False
 
     def poll(self, now: Optional[float] = None) -> Optional[str]:
         if self.formed:
@@ -137,6 +163,11 @@ class StartupWatch:
             if m.get("host") == self._host and not _alive(int(m["pid"])):
                 if (d / f"rank{int(m['rank'])}.json").exists():
                     continue          # it joined the world: a failure for ULFM, not start-up
+                ended = self._ended(d, m, now)
+                if ended is None:
+                    continue          # its shim is writing the exit record: judged next poll
+                if ended:
+                    continue          # exited 0 (a program without the manager): not a death
                 return (f"rank {m['rank']} (pid {m['pid']}) died during start-up, before the "
                         f"world formed")
         if now - self.last_progress > self.bound_s:

@@ -64,6 +64,41 @@ def test_dead_starting_rank_is_a_startup_failure(tmp_path):
     assert w.errors_logged()                               # a logged error is not retried
 
 
+def test_a_program_that_exited_0_before_any_heartbeat_is_not_a_startup_death(tmp_path,
+                                                                               idle_pid):
+    """CI 2026-12-06: `launch/local.sh python -c '...Barrier(); print("RAN")'` (a program that
+    never uses the manager, so never beats) exited 0; the watch's next poll saw its pid gone
+    and no heartbeat and called it a start-up death, twice, failing the run. Its shim's exit
+    record decides: 0 is an end, a signal or a code is a death; while the shim lives and has
+    not written it yet the watch waits (bounded)."""
+    from recover_hsdp.launcher.startup import EXIT_RECORD_WAIT_S
+
+    d = tmp_path / "ranks"
+    w = StartupWatch(tmp_path, 2, bound_s=60, now=0.0)
+    gone0, gone1 = _dead_pid(), _dead_pid()
+    for g, pid in ((0, gone0), (1, gone1)):
+        _mark(tmp_path, g, pid)
+        m = json.loads((d / f"start.rank{g}.json").read_text())
+        m["shim"] = idle_pid                 # the shim lives: its record is on the way
+        (d / f"start.rank{g}.json").write_text(json.dumps(m))
+    assert w.poll(now=1.0) is None
+    (d / "exit.rank0.json").write_text(json.dumps({"rank": 0, "pid": gone0, "code": 0}))
+    assert w.poll(now=2.0) is None           # rank 0 ended cleanly; rank 1's shim still writing
+    assert w.poll(now=1.0 + EXIT_RECORD_WAIT_S + 0.1) == (
+        f"rank 1 (pid {gone1}) died during start-up, before the world formed")
+    for rec in ({"signal": 9}, {"code": 3}):
+        w = StartupWatch(tmp_path, 2, bound_s=60, now=0.0)
+        (d / "exit.rank1.json").write_text(json.dumps({"rank": 1, "pid": gone1, **rec}))
+        assert w.poll(now=0.5) == (
+            f"rank 1 (pid {gone1}) died during start-up, before the world formed"), rec
+    # an exit record of an earlier program (another pid) says nothing about this one
+    (d / "exit.rank1.json").write_text(json.dumps({"rank": 1, "pid": gone0, "code": 0}))
+    m = json.loads((d / "start.rank1.json").read_text())
+    m.pop("shim")
+    (d / "start.rank1.json").write_text(json.dumps(m))
+    assert StartupWatch(tmp_path, 2, bound_s=60, now=0.0).poll(now=0.5) is not None
+
+
 def test_world_formed_ends_the_watch(tmp_path):
     w = StartupWatch(tmp_path, 2, bound_s=10, now=0.0)
     for g in range(2):
