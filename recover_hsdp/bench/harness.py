@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 #: the checkout this package runs from; an installed package (no checkout above it) works in
 #: the current directory instead, never in site-packages
@@ -149,10 +149,29 @@ def say(name: str, msg: str, *, stream=sys.stderr, with_load: bool = True) -> No
     print(f"[bench {name} {time.strftime('%H:%M:%S')}{tag}] {msg}", file=stream, flush=True)
 
 
+#: Linux's session autogroups: when on (1), CFS shares the CPU between SESSIONS first, then
+#: between the tasks of each; None where the kernel has no such switch
+AUTOGROUP = "/proc/sys/kernel/sched_autogroup_enabled"
+
+
+def sched_autogroup(path: str = AUTOGROUP) -> Optional[int]:
+    """0 or 1: whether the scheduler shares CPU per session (None: unknown). Beside other load
+    it decides who gets the cores: a job whose ranks share one session (mpirun's) gets one
+    session's share, a job whose ranks each start a session gets one share per rank
+    (docs/results.md "Beside busy loops: sessions, not processes")."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def machine(**extra: Any) -> dict:
-    """Where a number was measured: host, cores, Python, torch (if imported), load now."""
+    """Where a number was measured: host, cores, Python, torch (if imported), load now, and
+    the scheduler's session autogroup switch (:func:`sched_autogroup`)."""
     out = {"host": platform.node(), "cpus": os.cpu_count(),
-           "python": platform.python_version(), "load_start": load()}
+           "python": platform.python_version(), "load_start": load(),
+           "sched_autogroup": sched_autogroup()}
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = torch.__version__
@@ -258,7 +277,9 @@ def header(result: dict, name: str, versions: str = "", prog: str | None = None)
             f"host {result.get('host', '?')}, {result.get('cpus', '?')} cpus, torch "
             f"{result.get('torch', '?')}{versions}; load (1/5/15 min) at start "
             f"{load_text(result.get('load_start'))}, at end {load_text(result.get('load_end'))}; "
-            f"wall {fmt(result.get('wall_s'), 0, ' s')}"]
+            f"wall {fmt(result.get('wall_s'), 0, ' s')}"
+            + ("; sched autogroup ON (CPU shared per session)"
+               if result.get("sched_autogroup") == 1 else "")]
 
 
 def footer(result: dict) -> list[str]:

@@ -91,3 +91,24 @@ def test_options_take_their_type_from_the_default_and_false_makes_a_flag():
                                                           str(H.RESULTS_DIR / "t.json"))
     assert p.parse_args([]).flag is False
     assert H.verdict(True) == "MET" and H.verdict(False) == "NOT MET" and H.verdict(None) == "-"
+
+
+def test_every_result_records_the_schedulers_session_autogroup_and_the_header_names_it(
+        tmp_path):
+    """Beside busy loops with autogroup on, CFS shares the CPU per SESSION: torchft's ranks
+    (one session each, experiments/peers) got ~3x our mpirun session's share and read as a
+    ~1.5x faster step (docs/results.md). Every result records the switch; the header says so."""
+    f = tmp_path / "ag"
+    for text, want in (("1\n", 1), ("0\n", 0), ("x", None)):
+        f.write_text(text)
+        assert H.sched_autogroup(str(f)) == want
+    assert H.sched_autogroup(str(tmp_path / "absent")) is None
+    m = H.machine()
+    assert "sched_autogroup" in m and m["sched_autogroup"] == H.sched_autogroup()
+    base = {"command": "c", "host": "h", "cpus": 2, "load_start": [1, 1, 1], "wall_s": 3}
+    assert "autogroup ON" in H.header({**base, "sched_autogroup": 1}, "x")[1]
+    assert "autogroup" not in H.header({**base, "sched_autogroup": 0}, "x")[1]
+    from experiments.peers_analysis import format_table
+
+    assert "sched autogroup is on" in format_table({**base, "sched_autogroup": 1, "runs": {}})
+    assert "sched autogroup" not in format_table({**base, "sched_autogroup": 0, "runs": {}})
