@@ -36,7 +36,11 @@ def schedule_entries(kills: Iterable[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------- processes
 class Procs:
-    """Every process this bench starts (each in its own session): killed on close()."""
+    """Every process this bench starts (each leads its own process group, killed on close()),
+    all in THIS process's session: with the scheduler's session autogroups on, one session is
+    one share of the CPU, so plain DDP's and torchft's ranks share one, as ours share
+    mpirun's (one session per rank gave theirs ~3 shares to our 1 beside busy loops:
+    docs/results.md "Beside busy loops: sessions, not processes")."""
 
     def __init__(self) -> None:
         self.started: list[subprocess.Popen] = []
@@ -48,7 +52,7 @@ class Procs:
         with open(log, "ab") as f:
             p = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env, pass_fds=tuple(pass_fds),
-                                 start_new_session=True)
+                                 process_group=0)
         self.started.append(p)
         self.pids.append(p.pid)
         return p

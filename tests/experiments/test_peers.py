@@ -169,3 +169,22 @@ def test_ours_set_reaches_our_runs_only(monkeypatch, tmp_path):
 
     peers_runs.run_ours(args, Procs(), tmp_path / "ours", [], deadline=1e12)
     assert seen["cmd"][-2:] == ["parallel.replicate_data_plane=gloo", "parallel.overlap=true"]
+
+
+def test_bench_processes_share_this_session_and_each_leads_its_own_group(tmp_path):
+    """Autogroup shares the CPU per session: the bench's ranks must not each start one (they
+    did: theirs got ~3 shares to ours 1 beside busy loops). Each still leads its own process
+    group, which Procs.kill signals."""
+    import os
+    import signal
+    import sys
+
+    procs = pr.Procs()
+    try:
+        p = procs.popen([sys.executable, "-c", "import signal; signal.pause()"], tmp_path / "log")
+        assert os.getsid(p.pid) == os.getsid(0)
+        assert os.getpgid(p.pid) == p.pid != os.getpgid(0)
+        procs.kill(p, signal.SIGKILL)
+        assert p.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        procs.close()
