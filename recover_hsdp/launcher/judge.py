@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from recover_hsdp.faults.failstop import ERRORS_DIR, RANKS_DIR
 from recover_hsdp.launcher.errors import read_errors as _read_errors  # + its store hook
 from recover_hsdp.launcher.job import PROG, Job, JobResult, baseline_name
+from recover_hsdp.launcher.rank import EXIT_RECORD
 
 from recover_hsdp import exit_codes
 
@@ -302,13 +303,13 @@ def _cause(d: Path, g: int, errs: Optional[dict] = None) -> tuple[str, str]:
                        ("fired", "a scheduled kill (failure simulator)")):
         if (d / "faults" / f"{kind}.rank{g}.json").exists():
             return what, f"faults/{kind}.rank{g}.json"
-    ex = _read(d / RANKS_DIR / f"exit.rank{g}.json")
+    ex = _read(d / RANKS_DIR / EXIT_RECORD.format(g=g))
     if ex is None:
         return "ended without an exit record (never started, or its node was lost)", ""
     if "signal" in ex:
-        return f"killed by {_signame(int(ex['signal']))}", f"{RANKS_DIR}/exit.rank{g}.json"
+        return f"killed by {_signame(int(ex['signal']))}", f"{RANKS_DIR}/{EXIT_RECORD.format(g=g)}"
     if int(ex.get("code", 1)) != 0:
-        return f"exited with code {ex['code']}", f"{RANKS_DIR}/exit.rank{g}.json"
+        return f"exited with code {ex['code']}", f"{RANKS_DIR}/{EXIT_RECORD.format(g=g)}"
     return "", ""
 
 

@@ -41,6 +41,7 @@ from typing import Optional
 
 from recover_hsdp.faults.failstop import RANKS_DIR
 from recover_hsdp.faults.startup import PHASES  # noqa: F401  (the phases a rank marks)
+from recover_hsdp.launcher.rank import EXIT_RECORD
 from recover_hsdp.launcher.reaper import alive as _alive
 
 #: the watch's default no-progress bound is derived from this (60 s + 5 s). The ranks' own
@@ -119,8 +120,6 @@ class StartupWatch:
         """A local starting rank whose program is gone: True if it exited 0 (its exit record,
         launcher/rank.py), False if it died or failed, None while its shim still lives and has
         not yet written the record (at most :data:`EXIT_RECORD_WAIT_S` after first seen)."""
-        from recover_hsdp.launcher.rank import EXIT_RECORD
-
         try:
             rec = json.loads((d / EXIT_RECORD.format(g=int(m["rank"]))).read_text())
             if int(rec.get("pid", m["pid"])) == int(m["pid"]):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from recover_hsdp.launcher.rank import EXIT_RECORD
 from recover_hsdp.launcher.watchdog import PROGRESS_FLOOR_S
 
 
@@ -94,7 +95,7 @@ def _all_exited(run_dir: Path, np: int) -> bool:
     from recover_hsdp.faults.failstop import RANKS_DIR
 
     d = run_dir / RANKS_DIR
-    return all((d / f"exit.rank{g}.json").exists() for g in range(np))
+    return all((d / EXIT_RECORD.format(g=g)).exists() for g in range(np))
 
 
 def supervise(prepare: Prepare, *, run_dir: Path, np: int, watch: Optional[Watch],

@@ -57,7 +57,7 @@ def _test_error_post() -> int:
     return int(n)
 
 
-def _not_ours(e: BaseException) -> None:
+def _raise_own_fault(e: BaseException) -> None:
     """Re-raise a fail-stop raised in this thread while it was inside a gloo call (chaos's
     SIGUSR1 -> InjectedFault, a RuntimeError): it is this rank's own error, which must end the
     rank (faults/failstop.py), not a peer's failure the plane hands to the control plane. Seen in
@@ -274,7 +274,7 @@ class GlooPlane:
         try:
             work = gen.pg.allreduce([buf])
         except RuntimeError as e:
-            _not_ours(e)
+            _raise_own_fault(e)
             self._suspect(gen, f"allreduce post failed: {_first_line(e)}")
             return self._failed()
         self.stats["posted"] += 1
@@ -326,7 +326,7 @@ class _JoinGroup:
         try:
             work = gen.pg.broadcast([tensor], opts)
         except RuntimeError as e:
-            _not_ours(e)
+            _raise_own_fault(e)
             return self._fail(f"broadcast post failed: {_first_line(e)}")
         ev = threading.Event()
         work.get_future().add_done_callback(lambda _f: ev.set())
@@ -337,7 +337,7 @@ class _JoinGroup:
         try:
             work.wait()
         except RuntimeError as e:
-            _not_ours(e)
+            _raise_own_fault(e)
             return self._fail(f"broadcast failed: {_first_line(e)}")
         self.bytes += tensor.numel() * tensor.element_size()
         return True
@@ -382,7 +382,7 @@ class _GlooWork:
                 if self.inject:
                     raise RuntimeError(f"injected data-plane error ({ENV_TEST_ERROR}, test)")
             except RuntimeError as e:
-                _not_ours(e)
+                _raise_own_fault(e)
                 plane._suspect(gen, f"allreduce failed: {_first_line(e)}")
             else:
                 if not gen.broken:
