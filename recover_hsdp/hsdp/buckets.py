@@ -6,7 +6,7 @@ the original parameters' ``.grad`` are views into them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _sync_is_bookkeeping_only(fsdp_module: FSDP) -> bool:
+    """True when FSDP's synced post-backward changes no gradient byte: every unit NO_SHARD (shard
+    size 1), parameters in fp32 (no mixed-precision cast of the gradient), no CPU offload."""
+    handles = [h for _, h in flat_param_handles(fsdp_module)]
+    try:
+        return bool(handles) and all(
+            not h.uses_sharded_strategy and not h._uses_param_mixed_precision
+            and not h._offload_params and h.flat_param.dtype == torch.float32 for h in handles)
+    except AttributeError:   # another torch's FlatParamHandle: keep FSDP's own sync
+        return False
+
+
 class MicrobatchAccumulator:
     """Runs one optimizer step's microbatches on an FSDP HYBRID_SHARD module.
 
@@ -98,6 +110,13 @@ class MicrobatchAccumulator:
     of the shard before and an in-place restore after (bit-exact, immune to NaN/inf in the
     discarded microbatch); with ``no_sync=True`` the loss is multiplied by 0.0 (a NaN/inf anywhere
     in that microbatch's backward then poisons the accumulated grads: 0 * inf = NaN).
+
+    Shard size 1 (every unit NO_SHARD), fp32 parameters, no CPU offload: the two modes hold the
+    same bytes (a NO_SHARD unit's "shard" is its whole gradient, accumulated by autograd in place)
+    and give bit-identical buckets, so the default then skips FSDP's post-backward work on every
+    microbatch but the ``last`` one (``sync_last_only``): FSDP's per-unit post-backward (the
+    reduction over a group of one, the cast, the view bookkeeping) is pure overhead there. The
+    snapshot/restore of a discarded microbatch is kept. ``last=None`` (not known) syncs.
     """
 
     def __init__(self, fsdp_module: FSDP, *, no_sync: bool = False):
@@ -105,6 +124,7 @@ class MicrobatchAccumulator:
             raise TypeError("MicrobatchAccumulator needs the root FSDP module")
         self.module = fsdp_module
         self.no_sync = no_sync
+        self.sync_last_only = not no_sync and _sync_is_bookkeeping_only(fsdp_module)
         self.computed = 0      # microbatches run this step
         self.contributed = 0   # of which kept in the accumulated shards
 
@@ -118,14 +138,18 @@ class MicrobatchAccumulator:
         loss_fn: Callable[[], torch.Tensor],
         *,
         contribute: bool = True,
-        last: bool = False,
+        last: Optional[bool] = None,
     ) -> torch.Tensor:
         """Run ``loss_fn()`` (forward, returns a scalar loss) and its backward; return loss.detach().
 
-        ``last`` only matters with ``no_sync=True``: the last microbatch is the one that
-        reduce-scatters. Every rank of a replica must make the same calls with the same flags.
+        ``last``: whether this is the last microbatch before the buckets are read. With
+        ``no_sync=True`` it is the one that reduce-scatters (None: not last); with
+        ``sync_last_only`` the only one FSDP's post-backward runs for (None: it runs). Every
+        rank of a replica must make the same calls with the same flags.
         """
-        ctx = self.module.no_sync() if (self.no_sync and not last) else contextlib.nullcontext()
+        skip_sync = ((self.no_sync and not last)
+                     or (self.sync_last_only and last is not None and not last))
+        ctx = self.module.no_sync() if skip_sync else contextlib.nullcontext()
         snapshot = None
         if not contribute and not self.no_sync:
             snapshot = [(h.flat_param, None if h.flat_param.grad is None

@@ -97,14 +97,24 @@ def _step(topo, replicate_pg, scenario):
     init_shards = [t.clone() for t in fh.local_flat_shards(fsdp)]
     opt = torch.optim.SGD(fsdp.parameters(), lr=LR)
     acc = fh.MicrobatchAccumulator(fsdp, no_sync=scenario.get("no_sync", False))
+    sync_last_only = acc.sync_last_only
+    if scenario.get("sync_every"):
+        acc.sync_last_only = False
     drop = scenario.get("drop")  # (replica, microbatch) computed but not contributed
-    for g in range(G):
-        x, y = microbatch(topo.replica, g)
-        contribute = drop != (topo.replica, g)
-        if not contribute:
-            x = torch.full_like(x, float("nan"))  # a poisoned, discarded microbatch
-        acc.microbatch(lambda: rank_loss(fsdp, x, y, topo.shard_index, topo.shard_size),
-                       contribute=contribute, last=g == G - 1)
+    import torch.distributed.fsdp._runtime_utils as ru
+
+    post_reduce, synced = ru._post_reduce_grad_callback, []   # FSDP's synced post-backwards
+    ru._post_reduce_grad_callback = lambda st, h, g: (synced.append(1), post_reduce(st, h, g))
+    try:
+        for g in range(G):
+            x, y = microbatch(topo.replica, g)
+            contribute = drop != (topo.replica, g)
+            if not contribute:
+                x = torch.full_like(x, float("nan"))  # a poisoned, discarded microbatch
+            acc.microbatch(lambda: rank_loss(fsdp, x, y, topo.shard_index, topo.shard_size),
+                           contribute=contribute, last=g == G - 1)
+    finally:
+        ru._post_reduce_grad_callback = post_reduce
     calls = dict(fsdp._recover_noop_pg.calls)
     fh.allreduce_grad_shards(fsdp, replicate_pg, topo.replicas * G)
     grads = [t.clone() for t in fh.grad_shards(fsdp)]
@@ -118,6 +128,8 @@ def _step(topo, replicate_pg, scenario):
         "noop_calls": calls,
         "contributed": acc.contributed,
         "computed": acc.computed,
+        "sync_last_only": sync_last_only,
+        "synced_post_backwards": len(synced),
     }
 
 
@@ -171,6 +183,8 @@ SCENARIOS = {
     "deferred": {},
     "no_sync": {"no_sync": True},
     "drop_last": {"drop": ("LAST_REPLICA", G - 1)},
+    "drop_first": {"drop": ("LAST_REPLICA", 0)},   # at S = 1: dropped under FSDP's no_sync
+    "sync_every": {"sync_every": True},             # FSDP's post-backward on every microbatch
     "default_divide": {"default_divide": True},
 }
 
@@ -361,6 +375,31 @@ def test_dropped_microbatch_contributes_nothing(runs, name, replicas):
         assert res["drop_last"]["computed"] == G
         r = res["topology"][2]
         assert res["drop_last"]["contributed"] == (G - 1 if r == replicas - 1 else G)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name,replicas", [("2x1", 2), ("2x2", 2)])
+def test_dropped_first_microbatch_contributes_nothing(runs, name, replicas):
+    # at S = 1 the first microbatch runs under FSDP's no_sync: the snapshot/restore still holds
+    worst = compare(runs[name], replicas, "drop_first", drop=(replicas - 1, 0))
+    print(f"{name} drop_first: max |diff| = {worst:.3g}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name,replicas", [("2x1", 2), ("2x2", 2)])
+def test_shard_size_1_syncs_only_the_last_microbatch_bit_identically(runs, name, replicas):
+    """S = 1 (NO_SHARD, fp32): FSDP's post-backward runs for the last microbatch only, and the
+    buckets are bit-identical to running it on every microbatch; S >= 2 keeps it on every one."""
+    for rank, res in runs[name].items():
+        s = res["topology"][1]
+        n_units = len(res["deferred"]["layout"])
+        assert res["deferred"]["sync_last_only"] is (s == 1)
+        assert res["deferred"]["synced_post_backwards"] == n_units * (1 if s == 1 else G)
+        assert res["sync_every"]["synced_post_backwards"] == n_units * G
+        for a, b in zip(res["deferred"]["grads"], res["sync_every"]["grads"]):
+            assert torch.equal(a, b), f"rank {rank}: buckets differ from the every-sync run"
+        for a, b in zip(res["deferred"]["params"], res["sync_every"]["params"]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.timeout(180)
