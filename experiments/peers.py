@@ -40,8 +40,9 @@ Measured (per run, from its run directory; commit time of a step = its FIRST com
                   slot contributes to again (torchft: its relaunched process; ours_standby: the
                   promoted standby; ours_kills: never), and the steps committed without it
 
-Every process started here (lighthouse, replicas, mpirun and its ranks) runs in its own session
-and is killed (its process group, plus any descendants) on exit, timeout, error or Ctrl-C.
+Every process started here (lighthouse, replicas, mpirun) leads its own process group in this
+bench's session (mpirun's ranks run in mpirun's), so each system's ranks share one session, and is
+killed (its process group, plus any descendants) on exit, timeout, error or Ctrl-C.
 Output: a table on stdout and JSON (--out, default bench/results/peers.json); the run directories
 stay under --work-dir (default bench/results/peers_runs, replaced on each invocation) so
 `recover-hsdp report` can plot them; --plot-dir writes peers_loss.png / peers_steps.csv.

@@ -192,9 +192,9 @@ def format_table(result: dict) -> str:
     v = result.get("verdicts", {})
     lines.append("")
     if result.get("sched_autogroup") == 1:
-        lines.append("note: sched autogroup is on: beside other load the CPU is shared per "
-                     "session; plain DDP's and torchft's ranks each start one, ours share "
-                     "mpirun's, so loaded step times favour theirs (docs/results.md)")
+        lines.append("note: sched autogroup is on: the CPU is shared per session first; each "
+                     "system's ranks here share one session (ours: mpirun's), so load from "
+                     "other sessions takes one session's share from each alike (docs/results.md)")
     if "recovery" in v:
         x = v["recovery"]
         lines.append(f"recovery: ours {x['ours_s']:.3f} s vs torchft best {x['torchft_best_s']:.3f}"
