@@ -147,8 +147,7 @@ class MicrobatchAccumulator:
         ``sync_last_only`` the only one FSDP's post-backward runs for (None: it runs). Every
         rank of a replica must make the same calls with the same flags.
         """
-        skip_sync = ((self.no_sync and not last)
-                     or (self.sync_last_only and last is not None and not last))
+        skip_sync = (self.no_sync and not last) or (self.sync_last_only and last is False)
         ctx = self.module.no_sync() if skip_sync else contextlib.nullcontext()
         snapshot = None
         if not contribute and not self.no_sync:
