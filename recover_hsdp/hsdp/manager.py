@@ -352,7 +352,7 @@ class HSDPULFMTrainingManager:
         try:
             c = hooks.contribute(step, m, keep)
             last = m == self.policy.steps() - 1   # the pass's last microbatch (so far)
-            with self.overlap.microbatch(m, c):   # last backward: post final shards (overlap)
+            with self.overlap.microbatch(last, c):   # last backward: post final shards (overlap)
                 loss = self.acc.microbatch(closure, contribute=c, last=last)
             hooks.after_microbatch(step, m, keep, mb_id)
         except RuntimeError as e:

@@ -69,13 +69,13 @@ class Overlap:
         self.order = list(reversed(range(len(self.handles))))
         _install()
 
-    def microbatch(self, m: int, contribute: bool):
-        mgr = self.mgr
-        orch = getattr(mgr, "orch", None)
+    def microbatch(self, last: bool, contribute: bool):
+        """``last``: the pass's last microbatch (the manager's one definition of it)."""
+        orch = getattr(self.mgr, "orch", None)
         if self.enabled and orch is not None:
             orch.post_order = self.order   # every rank posts in this order, early or not
-        if (not self.enabled or orch is None or not contribute
-                or m != mgr.policy.steps() - 1 or len(orch.store) < len(self.handles)):
+        if (not self.enabled or orch is None or not contribute or not last
+                or len(orch.store) < len(self.handles)):
             return contextlib.nullcontext()
         return self._last_backward(orch)
 
