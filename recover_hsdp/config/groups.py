@@ -77,6 +77,7 @@ class ParallelConfig:
     replicate_data_plane: str = "ulfm"   # cross-replica bytes: ulfm | gloo | nccl (docs/dataplane.md)
     overlap: bool = False          # post each bucket's reduction inside the last backward (async planes)
     fsdp: int = 1                  # substrate: 1 (FSDP1 HYBRID_SHARD) | 2 (fully_shard; docs/fsdp2.md)
+    fsdp_units: str = "blocks"     # blocks (one FSDP unit per decoder block + root) | one (root only)
 
     def __post_init__(self) -> None:
         _positive_ints("parallel", self, ("replicas", "shard_size", "grad_accum",
@@ -95,6 +96,10 @@ class ParallelConfig:
         if self.fsdp not in (1, 2) or isinstance(self.fsdp, bool):
             raise TrainConfigError(f"parallel.fsdp({self.fsdp!r}) must be 1 (FSDP1 HYBRID_SHARD) "
                                    f"or 2 (FSDP2 fully_shard)")
+        if self.fsdp_units not in ("blocks", "one"):
+            raise TrainConfigError(f"parallel.fsdp_units({self.fsdp_units!r}) must be blocks (one "
+                                   f"FSDP unit per decoder block plus the root) or one (the whole "
+                                   f"model in one unit)")
         if self.overlap and self.fsdp == 2:
             raise TrainConfigError("parallel.overlap=true is not supported at parallel.fsdp=2 "
                                    "(FSDP1 only; docs/fsdp2.md)")

@@ -73,9 +73,12 @@ def _typed(group: str, cls: type, node: Any) -> Any:
         raise TrainConfigError(one_line(e)) from None
 
 
-def n_buckets(model: Any) -> int:
+def n_buckets(model: Any, par: Any = None) -> int:
     """Gradient buckets per cross-replica reduction: one FSDP unit per decoder block plus the
-    root (embedding, final norm, output), recover_hsdp.model.fsdp.fsdp_wrap_policy."""
+    root (embedding, final norm, output), recover_hsdp.model.fsdp.fsdp_wrap_policy; one bucket
+    at ``parallel.fsdp_units=one``."""
+    if par is not None and getattr(par, "fsdp_units", "blocks") == "one":
+        return 1
     return model.n_layers + 1
 
 
@@ -190,7 +193,7 @@ def validate(cfg: DictConfig, world_size: Optional[int] = None, *,
     # failure schedule: the same build every rank runs (names the bad entry)
     try:
         schedule = failures.build(replicas=par.replicas + par.standby, shard_size=par.shard_size,
-                                  grad_accum=par.grad_accum, n_buckets=n_buckets(model),
+                                  grad_accum=par.grad_accum, n_buckets=n_buckets(model, par),
                                   steps=run.steps)
     except (ValueError, TypeError) as e:
         raise TrainConfigError(one_line(e)) from None

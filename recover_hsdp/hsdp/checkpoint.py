@@ -452,15 +452,21 @@ class TrainerCheckpointing(ResilientCheckpointer):
 
     def params_comparable(self) -> bool:
         """Whether this segment's parameter snapshots have meta.json's layout (same S, same
-        substrate: parallel.fsdp); if not, verify anchors this segment at its checkpoints."""
+        substrate: parallel.fsdp, the same units: parallel.fsdp_units); if not, verify anchors
+        this segment at its checkpoints."""
         import json
 
         try:
             meta = json.loads((self.run_dir / "meta.json").read_text())
         except (OSError, ValueError):
             return False
-        return (int(meta.get("shard_size", -1)) == self.mgr.S
-                and int(meta.get("fsdp", 1)) == self.mgr.substrate.fsdp)
+        if not (int(meta.get("shard_size", -1)) == self.mgr.S
+                and int(meta.get("fsdp", 1)) == self.mgr.substrate.fsdp):
+            return False
+        # the same units too (parallel.fsdp_units): as many flat buckets of the same sizes
+        built = [fl.for_shard0() for fl in self.mgr.substrate.layout(self.mgr.module)]
+        recorded = meta.get("param_layout")
+        return recorded is None or json.loads(json.dumps(built)) == recorded
 
     def summary(self) -> dict:
         """What summary.json says of checkpoints: saves, retention and the disk they use."""

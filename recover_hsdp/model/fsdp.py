@@ -18,9 +18,15 @@ from .llama import Transformer, TransformerBlock
 decoder_block_class: type[nn.Module] = TransformerBlock
 
 
-def fsdp_wrap_policy():
-    """FSDP1 `auto_wrap_policy`: wrap each decoder block; the root takes the rest (embedding,
-    final norm, output projection; tied embedding and output stay in the same unit)."""
+def fsdp_wrap_policy(units: str = "blocks"):
+    """FSDP1 `auto_wrap_policy` (FSDP2 reads the same): wrap each decoder block; the root takes
+    the rest (embedding, final norm, output projection; tied embedding and output stay in the
+    same unit). ``units="one"`` (``parallel.fsdp_units``): None, the whole model is the root
+    unit, one gradient bucket."""
+    if units == "one":
+        return None
+    if units != "blocks":
+        raise ValueError(f"fsdp units {units!r}: blocks or one")
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     return ModuleWrapPolicy({decoder_block_class})

@@ -56,32 +56,13 @@ def _lrs(run_dir: Path) -> list[float]:
     return [lr_at(s, cfg) for s in range(STEPS)]
 
 
-# (id, W, S, G, schedule): a kill in the reduction at S=2 (boundary: the dead replica's
-# microbatches taken over), and at S=1 a kill in a backward down to one replica
-ROWS = [("W3S2G2-reduce-kill", 3, 2, 2, [K(1, 2, "reduce", bucket=0)]),
-        ("W2S1G1-backward-kill", 2, 1, 1, [K(1, 1, "backward", microbatch=0)])]
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.quick_params("W2S1G1-backward-kill")   # the quick tier's FSDP2 run
-@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
-def test_fsdp2_agrees_with_fsdp1(tmp_path, row):
+def assert_runs_agree(r1: Path, r2: Path) -> None:
+    """Two runs of the same seed, data and schedule on different wrappings (r1's layout groups
+    the per-unit RMS check): the same committed steps, losses to a relative 1e-5, parameters at
+    every step within verify's element and per-unit RMS tolerances, and far from the start."""
     from recover_hsdp.verify.tolerance import Tolerance, ulp_floor
 
-    _, W, S, G, schedule = row
-    r1, o1 = _run(tmp_path, 1, W, S, G, schedule)
-    r2, o2 = _run(tmp_path, 2, W, S, G, schedule)
-    for run_dir, out in ((r1, o1), (r2, o2)):
-        check_bitwise_and_verify(run_dir, STEPS, S, out)
-    meta2 = json.loads((r2 / "meta.json").read_text())
     meta1 = json.loads((r1 / "meta.json").read_text())
-    # what was built: FSDP2 modules with DTensor parameters, no FSDP1 FlatParameter
-    assert meta2["fsdp"] == 2 and "fsdp" not in meta1, (meta1.get("fsdp"), meta2.get("fsdp"))
-    built = meta2["fsdp2"]
-    assert built["flat_parameters"] == 0 and built["fsdp_modules"] >= 2, built
-    assert built["dtensor_parameters"] > 0, built
-    assert {d.get("kind") for d in meta2["param_layout"]} == {"fsdp2"}
-    assert len(meta2["param_layout"]) == len(meta1["param_layout"])   # one bucket per unit
     # the same committed steps, losses to a relative 1e-5
     l1, l2 = _losses(r1), _losses(r2)
     assert sorted(l1) == sorted(l2) == list(range(STEPS)), (l1, l2)
@@ -93,6 +74,7 @@ def test_fsdp2_agrees_with_fsdp1(tmp_path, row):
     assert init1.keys() == init2.keys()
     for k in init1:
         assert (init1[k] == init2[k]).all(), k       # the same initial model, bit for bit
+    # the RMS groups: r1's units (the finer wrapping where they differ)
     floor = ulp_floor(max(float(v.abs().max()) for v in init1.values()))
     tol = Tolerance(floor=floor)
     groups = [[p["fqn"] for p in d["params"]] for d in meta1["param_layout"]]
@@ -108,6 +90,33 @@ def test_fsdp2_agrees_with_fsdp1(tmp_path, row):
     # the runs did train: the parameters moved by far more than the tolerance
     moved = max(float((_params(r1, STEPS - 1)[k] - init1[k]).abs().max()) for k in init1)
     assert moved > 10 * tol.element, (moved, tol.element)
+
+
+# (id, W, S, G, schedule): a kill in the reduction at S=2 (boundary: the dead replica's
+# microbatches taken over), and at S=1 a kill in a backward down to one replica
+ROWS = [("W3S2G2-reduce-kill", 3, 2, 2, [K(1, 2, "reduce", bucket=0)]),
+        ("W2S1G1-backward-kill", 2, 1, 1, [K(1, 1, "backward", microbatch=0)])]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.quick_params("W2S1G1-backward-kill")   # the quick tier's FSDP2 run
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_fsdp2_agrees_with_fsdp1(tmp_path, row):
+    _, W, S, G, schedule = row
+    r1, o1 = _run(tmp_path, 1, W, S, G, schedule)
+    r2, o2 = _run(tmp_path, 2, W, S, G, schedule)
+    for run_dir, out in ((r1, o1), (r2, o2)):
+        check_bitwise_and_verify(run_dir, STEPS, S, out)
+    meta2 = json.loads((r2 / "meta.json").read_text())
+    meta1 = json.loads((r1 / "meta.json").read_text())
+    # what was built: FSDP2 modules with DTensor parameters, no FSDP1 FlatParameter
+    assert meta2["fsdp"] == 2 and "fsdp" not in meta1, (meta1.get("fsdp"), meta2.get("fsdp"))
+    built = meta2["fsdp2"]
+    assert built["flat_parameters"] == 0 and built["fsdp_modules"] >= 2, built
+    assert built["dtensor_parameters"] > 0, built
+    assert {d.get("kind") for d in meta2["param_layout"]} == {"fsdp2"}
+    assert len(meta2["param_layout"]) == len(meta1["param_layout"])   # one bucket per unit
+    assert_runs_agree(r1, r2)
 
 
 # --- the rest of the suite's guarantees at fsdp=2 ------------------------------------------

@@ -52,6 +52,10 @@ SUBPROCESS_CASES = {
     "vocab": (["model.vocab_size=999"], "model.vocab_size(999) != the vocab size"),
     "schedule": (["failures.schedule=bad_schedule.yaml"],
                  "failures.schedule[0]: replica 9 out of range [0, 2)"),
+    # one FSDP unit is one bucket: a kill at bucket 1 names nothing
+    "one_unit_bucket": (["parallel.fsdp_units=one", "failures.schedule=bucket_schedule.yaml"],
+                        "failures.schedule[0]: bucket 1 out of range [0, 1)"),
+    "fsdp_units": (["parallel.fsdp_units=layers"], "parallel.fsdp_units('layers') must be blocks"),
     # inputs every rank needs are checked by the launcher (one line, exit 2, fast);
     # the hub is made unreachable by HF_ENDPOINT below (connection refused, no 30 s retries);
     # missing files: test_missing_inputs_refused_before_launch (in process, same error path)
@@ -68,6 +72,8 @@ def subprocess_results(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     (cwd / "bad_schedule.yaml").write_text(
         "- {step: 1, replica: 9, local_rank: 0, location: forward, microbatch: 0}\n")
+    (cwd / "bucket_schedule.yaml").write_text(
+        "- {step: 1, replica: 1, local_rank: 0, location: reduce, bucket: 1}\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_ENDPOINT="http://127.0.0.1:9")
     for var in ("OMPI_COMM_WORLD_RANK", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
                 "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
@@ -92,7 +98,7 @@ def test_bad_config_is_one_line_exit_2(subprocess_results, name):
     assert expected in lines[0], lines[0]
     assert "Traceback" not in stderr and stdout == ""
     # nothing was written into the working directory (no run dir, no Hydra outputs)
-    assert subprocess_results["_cwd_entries"] == ["bad_schedule.yaml"]
+    assert subprocess_results["_cwd_entries"] == ["bad_schedule.yaml", "bucket_schedule.yaml"]
 
 
 @pytest.mark.parametrize("overrides, expected", [
