@@ -28,3 +28,8 @@ for _ in range(2):
 f2 = fh.wrap_hybrid_shard(build_model(cfg, seed=0), pg, auto_wrap_policy=fsdp_wrap_policy(), device="cpu", topology=topo, use_orig_params=False)
 for _ in range(2):
     print("plain", round(bench(plain)*1000,2), "ms   fsdp(orig=False)", round(bench(f2)*1000,2), "ms", "fsdp(ours)", round(bench(f1)*1000,2))
+# parallel.fsdp_units=one: the whole model in one unit (docs/hsdp.md "One unit"; results.md
+# "One FSDP unit at S = 1"): 4 rounds of 150 microbatches each
+f3 = fh.wrap_hybrid_shard(build_model(cfg, seed=0), pg, auto_wrap_policy=fsdp_wrap_policy("one"), device="cpu", topology=topo)
+for _ in range(4):
+    print("plain", round(bench(plain, 150)*1000,2), "ms   blocks", round(bench(f1, 150)*1000,2), "ms   one unit", round(bench(f3, 150)*1000,2), "ms", flush=True)

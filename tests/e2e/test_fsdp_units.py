@@ -1,6 +1,6 @@
 """parallel.fsdp_units=one (the whole model in one FSDP unit, one gradient bucket) against the
 default blocks (a unit per decoder block plus the root): the same seed, data and kill schedule on
-the gloo data plane with overlap give runs that both verify OK and agree within verify's
+the gloo data plane with overlap (FSDP1) and on ulfm (FSDP2) give runs that both verify OK and agree within verify's
 tolerances; a run resumed across the two wrappings verifies as one. Real SIGKILLs under
 mpirun --with-ft ulfm."""
 from __future__ import annotations
@@ -33,13 +33,15 @@ def _run(tmp: Path, units: str, W: int, S: int, G: int, schedule, **par) -> Path
     return run_dir
 
 
-# (id, W, S, G, schedule, parallel overrides): at S=1 on gloo with overlap, a kill while the
-# one bucket's reduction is in flight (boundary) and a kill in a backward; at S=2 on ulfm, a
-# kill in the reduction of bucket 0 (the only one)
+# (id, W, S, G, schedule, parallel overrides): at S=1 on gloo with overlap, a kill before the
+# one bucket is posted (boundary; after the post the path would depend on whether the reduction
+# completed before the death was seen: both are valid, but the two runs could take different
+# ones) and a kill in a backward; at S=2 on ulfm and
+# FSDP2 (fully_shard at the root only), a kill in the reduction of bucket 0 (the only one)
 ROWS = [("W3S1G2-gloo-overlap", 3, 1, 2,
-         [K(1, 2, "reduce_inflight", bucket=0), K(2, 1, "backward", microbatch=1)],
+         [K(1, 2, "reduce", bucket=0), K(2, 1, "backward", microbatch=1)],
          {"replicate_data_plane": "gloo", "overlap": True}),
-        ("W3S2G2-ulfm-reduce", 3, 2, 2, [K(1, 2, "reduce", bucket=0)], {})]
+        ("W3S2G2-fsdp2-ulfm-reduce", 3, 2, 2, [K(1, 2, "reduce", bucket=0)], {"fsdp": 2})]
 
 
 @pytest.mark.timeout(900)
@@ -55,6 +57,16 @@ def test_one_unit_agrees_with_blocks(tmp_path, row):
     assert sorted(p["fqn"] for d in lb for p in d["params"]) == sorted(
         p["fqn"] for p in lo[0]["params"])                        # the same parameters
     assert_runs_agree(blocks, one)
+
+
+@pytest.mark.timeout(600)
+def test_one_unit_kill_while_its_bucket_is_in_flight(tmp_path):
+    """One unit on gloo with overlap: a kill right after the only bucket was posted. Whether the
+    survivors' reduction completes before the death is seen decides the path (commit with the
+    victim's microbatches, or a boundary that takes them over); either way every step sums B
+    and the run verifies."""
+    _run(tmp_path, "one", 3, 1, 2, [K(1, 2, "reduce_inflight", bucket=0)],
+         replicate_data_plane="gloo", overlap=True)
 
 
 @pytest.mark.timeout(600)
