@@ -59,6 +59,10 @@ FEATURES = {
     # compared with each other step by step
     "FSDP2 substrate (parallel.fsdp=2)": [
         "tests/e2e/test_fsdp2.py::test_fsdp2_agrees_with_fsdp1[W2S1G1-backward-kill]"],
+    # parallel.fsdp_units=one (docs/hsdp.md "One unit"): kills on gloo + overlap with the whole
+    # model one bucket, verified and agreeing with the per-block wrap
+    "one FSDP unit": [
+        "tests/e2e/test_fsdp_units.py::test_one_unit_agrees_with_blocks[W3S1G2-gloo-overlap]"],
 }
 
 #: tests/unit tests left out of the tier (a file, or one node id) -> why
