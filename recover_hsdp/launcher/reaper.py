@@ -116,12 +116,17 @@ class MateReaper:
         return out
 
     def pending(self, hbs: dict[int, dict], now: float) -> bool:
-        """True while a death seen less than ``grace_s`` ago has a mate not reaped, not done
-        and not known gone: its mates' stall has a cause the reaper ends within ``grace_s`` of
-        the death (the progress judge waits for it rather than judge the survivors that wait on
-        that mate). At most ``grace_s`` after each death."""
+        """True while a death seen less than ``2 x grace_s`` ago has a mate not reaped, not
+        done and not known gone: its mates' stall has a cause the reaper ends (the progress
+        judge waits for it rather than judge the survivors that wait on that mate). The reaper
+        takes a mate ``grace_s`` after it was last seen to move, not after the death: a mate
+        still in its own backward when the death was seen blocks later, so a hold of only
+        ``grace_s`` from the death left a window in which the survivors, waiting since the
+        death, were judged hung before their replica's mate was reaped (seen in the three-node
+        chaos under load: a survivor judged at +14 s, the mate reaped after it). At most
+        ``2 x grace_s`` after each death: a mate that moves for longer is not blocked on it."""
         for d, (_, t_dead) in self.dead.items():
-            if now - t_dead >= self.grace_s:
+            if now - t_dead >= 2 * self.grace_s:
                 continue
             b = d // self.S
             for m in range(b * self.S, (b + 1) * self.S):

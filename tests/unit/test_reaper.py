@@ -249,3 +249,37 @@ def test_a_rank_waiting_on_peers_gets_a_full_progress_bound_after_a_death(tmp_pa
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def test_progress_judge_waits_for_a_mate_that_blocked_after_the_death(tmp_path):
+    """Ranks 0-3 on another node, S=2, all blocked on peers (``waiting``). Rank 3 is known dead
+    at t=100; ranks 0 and 1 have made no progress since; rank 2, rank 3's mate, still moved at
+    t=102 (it was in its own backward) and only then blocked. The reaper takes rank 2 five
+    seconds (its grace) after it last moved, at t=107: until then no survivor is judged,
+    although t=105 is the grace after the death and the survivors are past their 1 s bound.
+    (The three-node chaos under load judged a survivor in that window.)"""
+    wd = HangWatchdog(tmp_path, timeout_s=5.0, period_s=0.05, progress_timeout_s=1.0,
+                      shard_size=2, launch_id="L", log=lambda s: None)
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+
+    def beat(t):
+        for g in range(3):
+            progress = 6 if (g == 2 and t >= 102.0) else 5
+            (ranks / f"rank{g}.json").write_text(json.dumps(
+                {"rank": g, "pid": 1000 + g, "host": "nodeb", "start": 1, "time": t,
+                 "progress": progress, "phase": None, "done": False, "launch": "L",
+                 "waiting": True}))
+
+    wd.reaper.note_dead(3, 1003, 100.0)
+    first = {}
+    t = 100.0
+    while t <= 108.0:
+        beat(t)
+        wd.poll(now=t)
+        for g in wd._orders:
+            first.setdefault(g, t)
+        t = round(t + 0.5, 1)
+    assert list(first) == [2], first          # the mate, reaped; no survivor judged
+    assert 107.0 <= first[2] <= 107.5, first
+    assert 2 in wd.reaper.reaped, wd.reaper.reaped
