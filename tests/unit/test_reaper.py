@@ -188,28 +188,35 @@ def test_a_rank_dead_before_any_poll_saw_it_counts_when_its_beat_names_this_laun
         mate.wait(30)
 
 
+def _remote_node(tmp_path, timeout_s: float):
+    """A watchdog (S=2, progress bound 1 s) and a writer of the heartbeats of ranks on another
+    node ("nodeb"): ``beat(t, ranks, progress(g, t), waiting(g))``."""
+    wd = HangWatchdog(tmp_path, timeout_s=timeout_s, period_s=0.05, progress_timeout_s=1.0,
+                      shard_size=2, launch_id="L", log=lambda s: None)
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+
+    def beat(t, gs, progress, waiting):
+        for g in gs:
+            (ranks / f"rank{g}.json").write_text(json.dumps(
+                {"rank": g, "pid": 1000 + g, "host": "nodeb", "start": 1, "time": t,
+                 "progress": progress(g, t), "phase": None, "done": False, "launch": "L",
+                 "waiting": waiting(g)}))
+
+    return wd, beat
+
+
 @pytest.mark.parametrize("death", [True, False])
 def test_progress_judge_waits_while_the_reaper_has_a_still_mate_to_take(tmp_path, death):
     """Ranks 0-3 on another node, S=2, progress stalled past the bound: with rank 3 known dead
     (its mate, rank 2, still and not yet reaped: within grace_s) the progress judge orders no
     kill (the survivors wait on that mate; the reaper ends it within grace_s of the death).
     Without the death the same stall is judged (one order)."""
-    wd = HangWatchdog(tmp_path, timeout_s=100, period_s=0.05, progress_timeout_s=1.0,
-                      shard_size=2, launch_id="L", log=lambda s: None)
-    ranks = tmp_path / "ranks"
-    ranks.mkdir()
-
-    def beat(t):
-        for g in range(4):
-            (ranks / f"rank{g}.json").write_text(json.dumps(
-                {"rank": g, "pid": 1000 + g, "host": "nodeb", "start": 1, "time": t,
-                 "progress": 5, "phase": None, "done": False, "launch": "L",
-                 "waiting": g != 2}))
-
+    wd, beat = _remote_node(tmp_path, timeout_s=100)
     if death:
         wd.reaper.note_dead(3, 1003, 100.0)
     for t in (100.0, 100.5, 101.0, 102.0, 103.0, 104.0):
-        beat(t)
+        beat(t, range(4), lambda g, t: 5, lambda g: g != 2)
         wd.poll(now=t)
     judged = sorted(wd._orders)
     assert judged == ([] if death else [2]), (death, judged)
@@ -258,24 +265,12 @@ def test_progress_judge_waits_for_a_mate_that_blocked_after_the_death(tmp_path):
     seconds (its grace) after it last moved, at t=107: until then no survivor is judged,
     although t=105 is the grace after the death and the survivors are past their 1 s bound.
     (The three-node chaos under load judged a survivor in that window.)"""
-    wd = HangWatchdog(tmp_path, timeout_s=5.0, period_s=0.05, progress_timeout_s=1.0,
-                      shard_size=2, launch_id="L", log=lambda s: None)
-    ranks = tmp_path / "ranks"
-    ranks.mkdir()
-
-    def beat(t):
-        for g in range(3):
-            progress = 6 if (g == 2 and t >= 102.0) else 5
-            (ranks / f"rank{g}.json").write_text(json.dumps(
-                {"rank": g, "pid": 1000 + g, "host": "nodeb", "start": 1, "time": t,
-                 "progress": progress, "phase": None, "done": False, "launch": "L",
-                 "waiting": True}))
-
+    wd, beat = _remote_node(tmp_path, timeout_s=5.0)
     wd.reaper.note_dead(3, 1003, 100.0)
     first = {}
     t = 100.0
     while t <= 108.0:
-        beat(t)
+        beat(t, range(3), lambda g, t: 6 if (g == 2 and t >= 102.0) else 5, lambda g: True)
         wd.poll(now=t)
         for g in wd._orders:
             first.setdefault(g, t)
