@@ -77,7 +77,7 @@ def n_buckets(model: Any, par: Any = None) -> int:
     """Gradient buckets per cross-replica reduction: one FSDP unit per decoder block plus the
     root (embedding, final norm, output), recover_hsdp.model.fsdp.fsdp_wrap_policy; one bucket
     at ``parallel.fsdp_units=one``."""
-    if par is not None and getattr(par, "fsdp_units", "blocks") == "one":
+    if par is not None and par.fsdp_units == "one":
         return 1
     return model.n_layers + 1
 
